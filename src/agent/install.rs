@@ -1,0 +1,1 @@
+//! CNI conf/bin installer (stub).

@@ -1,0 +1,1 @@
+//! In-pod redirection (stub).

@@ -1,0 +1,13 @@
+//! ztnode: the node side of an ambient (sidecar-less) service mesh, wire-compatible with Istio ambient.
+//!
+//! One binary, several roles chosen by `argv[0]` or subcommand (see `main.rs`):
+//! the CNI plugin ([`plugin`]), the node agent ([`agent`]) and the proxy ([`proxy`]).
+//! Shared bottom modules ([`netns`], [`podevent`], [`zds`], [`nft`]) never import a role.
+
+pub mod agent;
+pub mod netns;
+pub mod nft;
+pub mod plugin;
+pub mod podevent;
+pub mod proxy;
+pub mod zds;

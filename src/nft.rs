@@ -1,0 +1,1 @@
+//! nf_tables over netlink (stub).

@@ -1,0 +1,5 @@
+//! The proxy role (`ztunnel`): per-pod listeners, HBONE client/server, identities, workload state.
+
+pub mod config;
+pub mod identity;
+pub mod tls;

@@ -1,0 +1,1 @@
+//! Identities and the built-in CA (stub).

@@ -1,0 +1,1 @@
+//! TLS configs (stub).
