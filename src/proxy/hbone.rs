@@ -1,0 +1,147 @@
+//! HBONE protocol pieces shared by the client and the server: ports, HTTP/2 settings, the CONNECT
+//! `:authority` form and the request headers (`../shared/spec/ztunnel.md` §2–3).
+
+use std::net::{IpAddr, SocketAddr};
+
+/// Inbound HBONE port (mTLS + HTTP/2 CONNECT).
+pub const HBONE_PORT: u16 = 15008;
+/// Outbound capture port.
+pub const OUTBOUND_PORT: u16 = 15001;
+/// Inbound plaintext capture port.
+pub const INBOUND_PLAINTEXT_PORT: u16 = 15006;
+/// Ports that are never valid targets (ztunnel `illegal_ports`).
+pub const ILLEGAL_PORTS: [u16; 3] = [OUTBOUND_PORT, INBOUND_PLAINTEXT_PORT, HBONE_PORT];
+
+/// HTTP/2 initial stream window, bytes (`HTTP2_STREAM_WINDOW_SIZE`).
+pub const STREAM_WINDOW: u32 = 4 * 1024 * 1024;
+/// HTTP/2 connection window, bytes (`HTTP2_CONNECTION_WINDOW_SIZE`).
+pub const CONNECTION_WINDOW: u32 = 16 * 1024 * 1024;
+/// HTTP/2 max frame size, bytes (`HTTP2_FRAME_SIZE`).
+pub const FRAME_SIZE: u32 = 1024 * 1024;
+/// Streams per pooled connection before a new one is dialed (`POOL_MAX_STREAMS_PER_CONNECTION`).
+pub const MAX_STREAMS_PER_CONNECTION: usize = 100;
+/// Max concurrent streams the server accepts per connection.
+pub const SERVER_MAX_STREAMS: u32 = 200;
+/// Max buffered outgoing bytes per stream on the server (ztunnel: 400 KiB).
+pub const SERVER_SEND_BUFFER: usize = 400 * 1024;
+
+/// Errors parsing a CONNECT `:authority`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AuthorityError {
+    /// No `:port` part.
+    #[error("authority {0:?} has no port")]
+    MissingPort(String),
+    /// The port is not a number in 1..=65535.
+    #[error("authority {0:?} has an invalid port")]
+    BadPort(String),
+    /// The host is not an IP literal (`10.0.0.2` or `[fd00::2]`).
+    #[error("authority {0:?} is not ip:port")]
+    BadHost(String),
+}
+
+/// Parses an HBONE `:authority` of the form `ip:port` or `[v6]:port`.
+pub fn parse_authority(authority: &str) -> Result<SocketAddr, AuthorityError> {
+    let (host, port) = authority
+        .rsplit_once(':')
+        .ok_or_else(|| AuthorityError::MissingPort(authority.to_owned()))?;
+    if host.contains(':') && !(host.starts_with('[') && host.ends_with(']')) {
+        // a bare v6 address such as "fd00::2" (the last colon is part of it)
+        return Err(AuthorityError::MissingPort(authority.to_owned()));
+    }
+    let port: u16 = match port.parse() {
+        Ok(p) if p != 0 => p,
+        _ => return Err(AuthorityError::BadPort(authority.to_owned())),
+    };
+    let host = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
+    let ip: IpAddr = host
+        .parse()
+        .map_err(|_| AuthorityError::BadHost(authority.to_owned()))?;
+    if ip.is_ipv6() && !authority.starts_with('[') {
+        return Err(AuthorityError::BadHost(authority.to_owned()));
+    }
+    Ok(SocketAddr::new(ip, port))
+}
+
+/// Formats a target as an HBONE `:authority` (`ip:port`, `[v6]:port`).
+pub fn format_authority(addr: SocketAddr) -> String {
+    addr.to_string()
+}
+
+/// `forwarded` header value for a client address: `for="<ip:port>"` (RFC 7239 quoting, as ztunnel).
+pub fn forwarded(client: SocketAddr) -> String {
+    format!("for=\"{client}\"")
+}
+
+/// A random W3C `traceparent` value: `00-<32 hex>-<16 hex>-00`.
+pub fn traceparent() -> String {
+    use ring::rand::{SecureRandom, SystemRandom};
+    let mut bytes = [0u8; 24];
+    // SystemRandom only fails when the OS RNG is unavailable; an all-zero id is still well formed.
+    let _ = SystemRandom::new().fill(&mut bytes);
+    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    format!("00-{}-{}-00", &hex[..32], &hex[32..48])
+}
+
+/// The client-side HTTP/2 settings of HBONE.
+pub fn client_builder() -> h2::client::Builder {
+    let mut b = h2::client::Builder::new();
+    b.initial_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
+        .max_frame_size(FRAME_SIZE)
+        .max_send_buffer_size(STREAM_WINDOW as usize)
+        .initial_max_send_streams(MAX_STREAMS_PER_CONNECTION)
+        .max_header_list_size(16 * 1024)
+        .enable_push(false);
+    b
+}
+
+/// The server-side HTTP/2 settings of HBONE.
+pub fn server_builder() -> h2::server::Builder {
+    let mut b = h2::server::Builder::new();
+    b.initial_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
+        .max_frame_size(FRAME_SIZE)
+        .max_send_buffer_size(SERVER_SEND_BUFFER)
+        .max_concurrent_streams(SERVER_MAX_STREAMS)
+        .max_header_list_size(64 * 1024);
+    b
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_v4_and_v6_authorities() {
+        assert_eq!(parse_authority("10.0.0.2:8080"), Ok("10.0.0.2:8080".parse().expect("addr")));
+        assert_eq!(parse_authority("[fd00::2]:80"), Ok("[fd00::2]:80".parse().expect("addr")));
+        assert_eq!(format_authority("[fd00::2]:80".parse().expect("addr")), "[fd00::2]:80");
+    }
+
+    #[test]
+    fn rejects_bad_authorities() {
+        assert!(matches!(parse_authority("10.0.0.2"), Err(AuthorityError::MissingPort(_))));
+        assert!(matches!(parse_authority("fd00::2"), Err(AuthorityError::MissingPort(_))));
+        assert!(matches!(parse_authority("10.0.0.2:"), Err(AuthorityError::BadPort(_))));
+        assert!(matches!(parse_authority("10.0.0.2:0"), Err(AuthorityError::BadPort(_))));
+        assert!(matches!(parse_authority("10.0.0.2:99999"), Err(AuthorityError::BadPort(_))));
+        assert!(matches!(parse_authority("example.com:80"), Err(AuthorityError::BadHost(_))));
+        assert!(matches!(parse_authority("garbage"), Err(AuthorityError::MissingPort(_))));
+        assert!(matches!(parse_authority("[10.0.0.2:80"), Err(AuthorityError::BadHost(_))));
+        assert!(matches!(parse_authority(""), Err(AuthorityError::MissingPort(_))));
+    }
+
+    #[test]
+    fn traceparent_has_w3c_shape() {
+        let t = traceparent();
+        let parts: Vec<_> = t.split('-').collect();
+        assert_eq!(parts.len(), 4, "{t}");
+        assert_eq!((parts[0], parts[1].len(), parts[2].len(), parts[3]), ("00", 32, 16, "00"));
+        assert_ne!(traceparent(), t);
+    }
+
+    #[test]
+    fn forwarded_quotes_the_client() {
+        assert_eq!(forwarded("[fd00::1]:4000".parse().expect("addr")), "for=\"[fd00::1]:4000\"");
+    }
+}

@@ -1,0 +1,203 @@
+//! In-pod sockets: every socket the proxy opens for a pod is created inside that pod's network
+//! namespace and carries `SO_MARK` = the packet mark (default 0x539 = 1337), as ztunnel's in-pod socket
+//! factory does (`../shared/spec/ztunnel.md` §2).
+//!
+//! A [`PodSockets`] owns one OS thread that entered the pod netns once and creates sockets on request,
+//! so neither `setns` nor a per-connection thread spawn happens on the async data path.
+
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::mpsc as stdmpsc;
+
+use socket2::{Domain, Protocol, SockAddr, SockRef, Socket, Type};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
+use tokio::sync::oneshot;
+
+use crate::netns::{Netns, NetnsError};
+
+/// Default packet mark of proxy sockets (`PACKET_MARK`, Istio `InpodMark`).
+pub const DEFAULT_PACKET_MARK: u32 = 0x539;
+
+/// Listen backlog for pod listeners (ztunnel uses 128).
+const LISTEN_BACKLOG: i32 = 1024;
+
+/// Errors creating in-pod sockets.
+#[derive(Debug, thiserror::Error)]
+pub enum SocketError {
+    /// Entering the pod netns failed.
+    #[error(transparent)]
+    Netns(#[from] NetnsError),
+    /// The socket thread is gone (pod stopped).
+    #[error("pod socket thread stopped")]
+    Stopped,
+    /// A socket call failed.
+    #[error("{op}: {source}")]
+    Io {
+        /// The operation (`socket`, `bind 0.0.0.0:15001`, `connect 10.0.0.2:80`, ...).
+        op: String,
+        /// Errno.
+        #[source]
+        source: io::Error,
+    },
+}
+
+fn io_err(op: impl Into<String>) -> impl FnOnce(io::Error) -> SocketError {
+    let op = op.into();
+    move |source| SocketError::Io { op, source }
+}
+
+type Request = (Domain, oneshot::Sender<io::Result<Socket>>);
+
+/// Creates TCP sockets inside one pod's netns, all marked with the packet mark.
+#[derive(Debug, Clone)]
+pub struct PodSockets {
+    tx: stdmpsc::Sender<Request>,
+    mark: u32,
+}
+
+impl PodSockets {
+    /// Starts the socket thread for `netns`. `mark` is applied to every socket (0 = no mark).
+    pub fn new(netns: &Netns, mark: u32) -> Result<PodSockets, SocketError> {
+        let (tx, rx) = stdmpsc::channel::<Request>();
+        let (ready_tx, ready_rx) = stdmpsc::channel();
+        let id = netns.id();
+        let netns = netns.clone();
+        std::thread::Builder::new()
+            .name("pod-sockets".into())
+            .spawn(move || {
+                let entered = nix::sched::setns(netns.fd(), nix::sched::CloneFlags::CLONE_NEWNET);
+                let ok = entered.is_ok();
+                let _ = ready_tx.send(entered);
+                if !ok {
+                    return;
+                }
+                while let Ok((domain, reply)) = rx.recv() {
+                    let sock = Socket::new(domain, Type::STREAM.nonblocking().cloexec(), Some(Protocol::TCP));
+                    let _ = reply.send(sock);
+                }
+            })
+            .map_err(io_err("spawn pod socket thread"))?;
+        match ready_rx.recv() {
+            Ok(Ok(())) => Ok(PodSockets { tx, mark }),
+            Ok(Err(source)) => Err(SocketError::Netns(NetnsError::Enter { id, source })),
+            Err(_) => Err(SocketError::Stopped),
+        }
+    }
+
+    async fn socket(&self, domain: Domain) -> Result<Socket, SocketError> {
+        let (reply_tx, reply_rx) = oneshot::channel();
+        self.tx.send((domain, reply_tx)).map_err(|_| SocketError::Stopped)?;
+        let sock = reply_rx
+            .await
+            .map_err(|_| SocketError::Stopped)?
+            .map_err(io_err("socket"))?;
+        if self.mark != 0 {
+            sock.set_mark(self.mark).map_err(io_err("set SO_MARK"))?;
+        }
+        Ok(sock)
+    }
+
+    /// A listener on `[::]:port` (dual stack) or, when IPv6 is unavailable in the pod, `0.0.0.0:port`,
+    /// with SO_REUSEADDR and best-effort IP_TRANSPARENT.
+    pub async fn listen(&self, port: u16) -> Result<TcpListener, SocketError> {
+        let (sock, addr) = match self.socket(Domain::IPV6).await {
+            Ok(s) if s.set_only_v6(false).is_ok() => (s, SocketAddr::from((Ipv6Addr::UNSPECIFIED, port))),
+            _ => (self.socket(Domain::IPV4).await?, SocketAddr::from((Ipv4Addr::UNSPECIFIED, port))),
+        };
+        sock.set_reuse_address(true).map_err(io_err("set SO_REUSEADDR"))?;
+        let _ = sock.set_ip_transparent_v4(true);
+        sock.bind(&SockAddr::from(addr)).map_err(io_err(format!("bind {addr}")))?;
+        sock.listen(LISTEN_BACKLOG).map_err(io_err(format!("listen {addr}")))?;
+        TcpListener::from_std(sock.into()).map_err(io_err("register listener"))
+    }
+
+    /// Connects to `dst` from the pod. With `src` set (and different from `dst`'s IP) the socket binds
+    /// that address with IP_TRANSPARENT + IP_FREEBIND, so the peer sees it as the source (ztunnel's
+    /// `freebind_connect`). The connect is bounded by `timeout`.
+    pub async fn connect(
+        &self,
+        dst: SocketAddr,
+        src: Option<IpAddr>,
+        timeout: std::time::Duration,
+    ) -> Result<TcpStream, SocketError> {
+        let domain = if dst.is_ipv4() { Domain::IPV4 } else { Domain::IPV6 };
+        let sock = self.socket(domain).await?;
+        sock.set_tcp_nodelay(true).map_err(io_err("set TCP_NODELAY"))?;
+        if let Some(src) = src.filter(|s| *s != dst.ip()) {
+            if dst.is_ipv4() {
+                sock.set_ip_transparent_v4(true).map_err(io_err("set IP_TRANSPARENT"))?;
+                sock.set_freebind_v4(true).map_err(io_err("set IP_FREEBIND"))?;
+            } else {
+                sock.set_ip_transparent_v6(true).map_err(io_err("set IPV6_TRANSPARENT"))?;
+                sock.set_freebind_v6(true).map_err(io_err("set IPV6_FREEBIND"))?;
+            }
+            let bind = SocketAddr::new(src, 0);
+            sock.bind(&SockAddr::from(bind)).map_err(io_err(format!("bind {bind}")))?;
+        }
+        let std_stream: std::net::TcpStream = sock.into();
+        let tcp = TcpSocket::from_std_stream(std_stream);
+        match tokio::time::timeout(timeout, tcp.connect(dst)).await {
+            Ok(r) => r.map_err(io_err(format!("connect {dst}"))),
+            Err(_) => Err(SocketError::Io {
+                op: format!("connect {dst}"),
+                source: io::Error::new(io::ErrorKind::TimedOut, "connect timed out"),
+            }),
+        }
+    }
+}
+
+/// The original destination of a redirected connection: `SO_ORIGINAL_DST` (v4), then
+/// `IP6T_SO_ORIGINAL_DST` (v6), else the local address; v4-mapped v6 is canonicalised to v4.
+pub fn original_dst(stream: &TcpStream) -> io::Result<SocketAddr> {
+    let sock = SockRef::from(stream);
+    let found = sock
+        .original_dst_v4()
+        .ok()
+        .and_then(|a| a.as_socket())
+        .or_else(|| sock.original_dst_v6().ok().and_then(|a| a.as_socket()));
+    let addr = match found {
+        Some(a) => a,
+        None => stream.local_addr()?,
+    };
+    Ok(canonical(addr))
+}
+
+/// Turns a v4-mapped v6 socket address into its v4 form.
+pub fn canonical(addr: SocketAddr) -> SocketAddr {
+    match addr {
+        SocketAddr::V6(v6) => match v6.ip().to_ipv4_mapped() {
+            Some(v4) => SocketAddr::new(IpAddr::V4(v4), v6.port()),
+            None => addr,
+        },
+        SocketAddr::V4(_) => addr,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn canonicalises_mapped_addresses() {
+        let mapped: SocketAddr = "[::ffff:10.0.0.2]:80".parse().expect("addr");
+        assert_eq!(canonical(mapped), "10.0.0.2:80".parse::<SocketAddr>().expect("addr"));
+        let v6: SocketAddr = "[fd00::1]:80".parse().expect("addr");
+        assert_eq!(canonical(v6), v6);
+    }
+
+    #[tokio::test]
+    async fn sockets_in_own_netns_carry_the_mark() {
+        let ns = Netns::current().expect("own netns");
+        let socks = PodSockets::new(&ns, DEFAULT_PACKET_MARK).expect("socket thread");
+        let listener = socks.listen(0).await.expect("listen");
+        let port = listener.local_addr().expect("addr").port();
+        let client = socks
+            .connect(SocketAddr::from(([127, 0, 0, 1], port)), None, std::time::Duration::from_secs(2))
+            .await
+            .expect("connect");
+        let mark = SockRef::from(&client).mark().expect("get SO_MARK");
+        assert_eq!(mark, DEFAULT_PACKET_MARK);
+        let (_accepted, peer) = listener.accept().await.expect("accept");
+        assert_eq!(canonical(peer).ip(), IpAddr::V4(Ipv4Addr::LOCALHOST));
+    }
+}
