@@ -11,3 +11,5 @@ pub mod plugin;
 pub mod podevent;
 pub mod proxy;
 pub mod zds;
+pub mod cnichain;
+pub mod lab;
