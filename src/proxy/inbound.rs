@@ -1,0 +1,209 @@
+//! Inbound: the pod's HBONE server on 15008 and the plaintext capture on 15006.
+//!
+//! HBONE (`../shared/spec/ztunnel.md` §3): mTLS with a client certificate chained to our root and of
+//! our trust domain, then HTTP/2 CONNECT streams. Each stream's `:authority` must name this pod's own
+//! IP (the address 15008 was reached on) and a port outside 15001/15006/15008, else 400; the app is
+//! dialled from the client's IP (IP_TRANSPARENT) so it sees the real source; 200 only after that
+//! connect succeeded, 503 otherwise. Never an open proxy.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use h2::server::SendResponse;
+use http::{Request, Response, StatusCode};
+use tokio::net::TcpStream;
+
+use crate::proxy::accesslog::{ConnectionLog, Direction};
+use crate::proxy::copy;
+use crate::proxy::hbone::{self, ILLEGAL_PORTS};
+use crate::proxy::identity::Identity;
+use crate::proxy::pods::PodProxy;
+use crate::proxy::pool::CONNECT_TIMEOUT;
+use crate::proxy::socket::{self, SocketError};
+
+/// Why an inbound stream or connection was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum InboundError {
+    /// Not a CONNECT request.
+    #[error("method {0} is not CONNECT")]
+    Method(http::Method),
+    /// Bad `:authority`.
+    #[error(transparent)]
+    Authority(#[from] hbone::AuthorityError),
+    /// The CONNECT target is not this pod.
+    #[error("ip mismatch: {0} != {1}")]
+    IpMismatch(std::net::IpAddr, std::net::IpAddr),
+    /// The CONNECT target is a proxy port.
+    #[error("port {0} is not a valid target")]
+    IllegalPort(u16),
+    /// Connecting to the app failed.
+    #[error("upstream: {0}")]
+    Upstream(#[source] SocketError),
+    /// TLS handshake failed.
+    #[error("TLS handshake: {0}")]
+    Tls(#[source] std::io::Error),
+    /// HTTP/2 failed.
+    #[error("HTTP/2: {0}")]
+    H2(#[source] h2::Error),
+    /// The relay failed.
+    #[error("relay: {0}")]
+    Relay(#[source] std::io::Error),
+}
+
+/// Serves one HBONE connection (TLS + HTTP/2) accepted on 15008.
+pub async fn handle_hbone(pod: Arc<PodProxy>, tcp: TcpStream, peer: SocketAddr) {
+    let local = match tcp.local_addr() {
+        Ok(a) => socket::canonical(a),
+        Err(e) => {
+            tracing::warn!(error = %e, "HBONE connection without local address");
+            return;
+        }
+    };
+    let peer = socket::canonical(peer);
+    let tls = match tokio_rustls::TlsAcceptor::from(pod.server_tls.clone()).accept(tcp).await {
+        Ok(t) => t,
+        Err(e) => {
+            tracing::warn!(src.addr = %peer, error = %InboundError::Tls(e), "HBONE handshake refused");
+            return;
+        }
+    };
+    let peer_id = tls
+        .get_ref()
+        .1
+        .peer_certificates()
+        .and_then(crate::proxy::tls::peer_identity);
+    let mut conn = match hbone::server_builder().handshake::<_, Bytes>(tls).await {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!(src.addr = %peer, error = %InboundError::H2(e), "HBONE HTTP/2 handshake failed");
+            return;
+        }
+    };
+    while let Some(next) = conn.accept().await {
+        match next {
+            Ok((req, respond)) => {
+                let pod = pod.clone();
+                let peer_id = peer_id.clone();
+                tokio::spawn(async move { stream(pod, req, respond, peer, local, peer_id).await });
+            }
+            Err(e) => {
+                tracing::debug!(src.addr = %peer, error = %e, "HBONE connection ended");
+                break;
+            }
+        }
+    }
+}
+
+fn refuse(respond: &mut SendResponse<Bytes>, code: StatusCode) {
+    let mut resp = Response::new(());
+    *resp.status_mut() = code;
+    let _ = respond.send_response(resp, true);
+}
+
+async fn stream(
+    pod: Arc<PodProxy>,
+    req: Request<h2::RecvStream>,
+    mut respond: SendResponse<Bytes>,
+    peer: SocketAddr,
+    local: SocketAddr,
+    peer_id: Option<Identity>,
+) {
+    let mut log = ConnectionLog::open(&pod.ctx.metrics, Direction::Inbound, peer, local);
+    log.src_identity = peer_id;
+    log.dst_identity = Some(pod.identity.clone());
+    log.hbone_addr = Some(local);
+    let target = match check_request(&req, local) {
+        Ok(t) => t,
+        Err(e) => {
+            refuse(&mut respond, StatusCode::BAD_REQUEST);
+            log.failed(&pod.ctx.metrics, &e);
+            return;
+        }
+    };
+    log.dst = target;
+    let upstream = match pod.sockets.connect(target, Some(peer.ip()), CONNECT_TIMEOUT).await {
+        Ok(u) => u,
+        Err(e) => {
+            refuse(&mut respond, StatusCode::SERVICE_UNAVAILABLE);
+            log.failed(&pod.ctx.metrics, &InboundError::Upstream(e));
+            return;
+        }
+    };
+    let send = match respond.send_response(Response::new(()), false) {
+        Ok(s) => s,
+        Err(e) => {
+            log.failed(&pod.ctx.metrics, &InboundError::H2(e));
+            return;
+        }
+    };
+    match copy::relay_h2(upstream, send, req.into_body()).await {
+        Ok(t) => log.finish(&pod.ctx.metrics, t, None),
+        Err(e) => log.finish(&pod.ctx.metrics, Default::default(), Some(&InboundError::Relay(e))),
+    }
+}
+
+/// Validates a CONNECT request against the pod address `local`; returns the app address.
+pub fn check_request<B>(req: &Request<B>, local: SocketAddr) -> Result<SocketAddr, InboundError> {
+    if req.method() != http::Method::CONNECT {
+        return Err(InboundError::Method(req.method().clone()));
+    }
+    let authority = req.uri().authority().map(|a| a.as_str()).unwrap_or_default();
+    let target = socket::canonical(hbone::parse_authority(authority)?);
+    if target.ip() != local.ip() {
+        return Err(InboundError::IpMismatch(target.ip(), local.ip()));
+    }
+    if ILLEGAL_PORTS.contains(&target.port()) {
+        return Err(InboundError::IllegalPort(target.port()));
+    }
+    Ok(target)
+}
+
+/// Serves one plaintext connection captured on 15006 (from a client outside the mesh).
+pub async fn handle_plaintext(pod: Arc<PodProxy>, tcp: TcpStream, peer: SocketAddr) {
+    let peer = socket::canonical(peer);
+    let dst = match socket::original_dst(&tcp) {
+        Ok(d) => d,
+        Err(e) => {
+            tracing::warn!(error = %e, "inbound plaintext without original destination");
+            return;
+        }
+    };
+    let mut log = ConnectionLog::open(&pod.ctx.metrics, Direction::Inbound, peer, dst);
+    log.dst_identity = Some(pod.identity.clone());
+    if ILLEGAL_PORTS.contains(&dst.port()) {
+        log.failed(&pod.ctx.metrics, &InboundError::IllegalPort(dst.port()));
+        return;
+    }
+    match pod.sockets.connect(dst, Some(peer.ip()), CONNECT_TIMEOUT).await {
+        Ok(upstream) => match copy::relay_tcp(tcp, upstream).await {
+            Ok(t) => log.finish(&pod.ctx.metrics, t, None),
+            Err(e) => log.finish(&pod.ctx.metrics, Default::default(), Some(&InboundError::Relay(e))),
+        },
+        Err(e) => log.failed(&pod.ctx.metrics, &InboundError::Upstream(e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(method: http::Method, authority: &str) -> Request<()> {
+        Request::builder().method(method).uri(authority).body(()).expect("request")
+    }
+
+    #[test]
+    fn connect_checks() {
+        let local: SocketAddr = "10.0.0.3:15008".parse().expect("addr");
+        assert_eq!(
+            check_request(&req(http::Method::CONNECT, "10.0.0.3:8080"), local).expect("ok"),
+            "10.0.0.3:8080".parse().expect("addr")
+        );
+        assert!(matches!(check_request(&req(http::Method::CONNECT, "10.0.0.4:8080"), local), Err(InboundError::IpMismatch(..))));
+        for p in [15001, 15006, 15008] {
+            let r = check_request(&req(http::Method::CONNECT, &format!("10.0.0.3:{p}")), local);
+            assert!(matches!(r, Err(InboundError::IllegalPort(q)) if q == p), "{r:?}");
+        }
+        assert!(matches!(check_request(&req(http::Method::GET, "http://10.0.0.3:80/"), local), Err(InboundError::Method(_))));
+    }
+}

@@ -1,0 +1,142 @@
+//! Outbound: connections the pod's app opens, captured on 15001.
+//!
+//! The original destination (SO_ORIGINAL_DST) picks the path: a service VIP resolves to one of its
+//! endpoints (service port mapped to the target port); a destination workload with protocol HBONE
+//! gets an HBONE CONNECT to `<pod ip>:15008` with `:authority` = `<pod ip>:<port>`; anything else
+//! (unknown IP, protocol TCP) is passed through as plain TCP. Loopback self-calls to the proxy ports
+//! are refused.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use tokio::net::TcpStream;
+
+use crate::proxy::accesslog::{ConnectionLog, Direction};
+use crate::proxy::copy;
+use crate::proxy::hbone::{self, HBONE_PORT, ILLEGAL_PORTS};
+use crate::proxy::pool::{CONNECT_TIMEOUT, PoolError, PoolKey};
+use crate::proxy::pods::PodProxy;
+use crate::proxy::state::Protocol;
+
+/// Errors of one outbound connection.
+#[derive(Debug, thiserror::Error)]
+pub enum OutboundError {
+    /// The app connected to a proxy port on loopback or on its own IP.
+    #[error("refusing self-call to proxy port {0}")]
+    SelfCall(SocketAddr),
+    /// Reading the original destination failed.
+    #[error("original destination: {0}")]
+    OrigDst(#[source] std::io::Error),
+    /// No HBONE connection.
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+    /// The CONNECT request failed.
+    #[error("HBONE CONNECT to {0}: {1}")]
+    Connect(SocketAddr, #[source] h2::Error),
+    /// The peer answered the CONNECT with a non-200 status.
+    #[error("HBONE CONNECT to {0} answered {1}")]
+    Status(SocketAddr, http::StatusCode),
+    /// Passthrough connect failed.
+    #[error(transparent)]
+    Socket(#[from] crate::proxy::socket::SocketError),
+    /// The relay failed.
+    #[error("relay: {0}")]
+    Relay(#[source] std::io::Error),
+    /// A service VIP without endpoints.
+    #[error("service {0} has no endpoints")]
+    NoEndpoints(String),
+    /// Building the request failed.
+    #[error("bad request: {0}")]
+    Request(#[source] http::Error),
+}
+
+/// Serves one captured outbound connection to the end.
+pub async fn handle(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) {
+    let dst = match crate::proxy::socket::original_dst(&tcp) {
+        Ok(d) => d,
+        Err(e) => {
+            tracing::warn!(error = %OutboundError::OrigDst(e), "outbound connection dropped");
+            return;
+        }
+    };
+    let client = crate::proxy::socket::canonical(client);
+    let mut log = ConnectionLog::open(&pod.ctx.metrics, Direction::Outbound, client, dst);
+    log.src_identity = Some(pod.identity.clone());
+    if ILLEGAL_PORTS.contains(&dst.port()) && (dst.ip().is_loopback() || pod.ips.contains(&dst.ip())) {
+        log.failed(&pod.ctx.metrics, &OutboundError::SelfCall(dst));
+        return;
+    }
+    let state = pod.ctx.state.load();
+    let mut target = dst;
+    if let Some(svc) = state.service_by_vip(dst.ip()) {
+        let port = svc.ports.get(&dst.port()).copied().unwrap_or(dst.port());
+        let endpoints = state.endpoints(&svc);
+        let key = format!("{}/{}", svc.namespace, svc.hostname);
+        let Some(ep) = pick(&endpoints, client) else {
+            log.failed(&pod.ctx.metrics, &OutboundError::NoEndpoints(key));
+            return;
+        };
+        let port = ep.services.get(&key).and_then(|m| m.get(&dst.port()).copied()).unwrap_or(port);
+        let ip = ep.workload_ips.iter().copied().find(|i| i.is_ipv4() == dst.is_ipv4()).or(ep.workload_ips.first().copied());
+        if let Some(ip) = ip {
+            target = SocketAddr::new(ip, port);
+        }
+    }
+    let dest = state.workload_by_ip(target.ip());
+    match dest {
+        Some(w) if w.protocol == Protocol::Hbone => {
+            let hbone_addr = SocketAddr::new(target.ip(), HBONE_PORT);
+            log.dst = target;
+            log.hbone_addr = Some(hbone_addr);
+            log.dst_identity = Some(w.identity());
+            let key = PoolKey { src: pod.identity.clone(), dst: w.identity(), addr: hbone_addr };
+            match connect_hbone(&pod, &key, client, target).await {
+                Ok((send, recv)) => match copy::relay_h2(tcp, send, recv).await {
+                    Ok(t) => log.finish(&pod.ctx.metrics, t, None),
+                    Err(e) => log.finish(&pod.ctx.metrics, Default::default(), Some(&OutboundError::Relay(e))),
+                },
+                Err(e) => log.failed(&pod.ctx.metrics, &e),
+            }
+        }
+        _ => {
+            log.dst = target;
+            match pod.sockets.connect(target, None, CONNECT_TIMEOUT).await {
+                Ok(upstream) => match copy::relay_tcp(tcp, upstream).await {
+                    Ok(t) => log.finish(&pod.ctx.metrics, t, None),
+                    Err(e) => log.finish(&pod.ctx.metrics, Default::default(), Some(&OutboundError::Relay(e))),
+                },
+                Err(e) => log.failed(&pod.ctx.metrics, &OutboundError::Socket(e)),
+            }
+        }
+    }
+}
+
+/// Picks an endpoint deterministically per client port (simple spread without randomness).
+fn pick<T>(endpoints: &[T], client: SocketAddr) -> Option<&T> {
+    if endpoints.is_empty() {
+        return None;
+    }
+    endpoints.get(client.port() as usize % endpoints.len())
+}
+
+async fn connect_hbone(
+    pod: &PodProxy,
+    key: &PoolKey,
+    client: SocketAddr,
+    target: SocketAddr,
+) -> Result<(h2::SendStream<bytes::Bytes>, h2::RecvStream), OutboundError> {
+    let mut sender = pod.pool.sender(key).await?;
+    let req = http::Request::builder()
+        .method(http::Method::CONNECT)
+        .uri(hbone::format_authority(target))
+        .header("forwarded", hbone::forwarded(client))
+        .header("traceparent", hbone::traceparent())
+        .body(())
+        .map_err(OutboundError::Request)?;
+    let (resp, send) = sender.send_request(req, false).map_err(|e| OutboundError::Connect(key.addr, e))?;
+    let resp = resp.await.map_err(|e| OutboundError::Connect(key.addr, e))?;
+    if resp.status() != http::StatusCode::OK {
+        return Err(OutboundError::Status(key.addr, resp.status()));
+    }
+    Ok((send, resp.into_body()))
+}

@@ -1,0 +1,256 @@
+//! The per-pod proxy set and the manager that starts and stops it on agent requests (ZDS semantics).
+//!
+//! For each added pod: find its workload in the state by namespace/name (waiting up to 5 s, as
+//! ztunnel), open a socket thread in the pod netns, bind 15001 (outbound), 15006 (inbound
+//! plaintext) and 15008 (HBONE) there, and serve them until the pod is deleted. An Add for a uid that
+//! already runs with the same netns is acked without change; with another netns (sandbox recreated)
+//! the old set is stopped first. A Del stops the set and every connection it carries immediately.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::Serialize;
+use tokio::net::TcpListener;
+use tokio::task::{AbortHandle, JoinSet};
+
+use crate::netns::{Netns, NetnsId};
+use crate::proxy::accesslog::Metrics;
+use crate::proxy::hbone::{HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT};
+use crate::proxy::identity::{CertManager, Identity};
+use crate::proxy::pool::Pool;
+use crate::proxy::socket::{PodSockets, SocketError};
+use crate::proxy::state::{StateHandle, Workload};
+use crate::proxy::{inbound, outbound, tls};
+use crate::zds::{WorkloadInfo, WorkloadRequest, ZdsReceiver};
+
+/// How long an Add waits for the pod's workload to appear in the state.
+const WORKLOAD_WAIT: Duration = Duration::from_secs(5);
+
+/// Errors starting a pod's proxy set.
+#[derive(Debug, thiserror::Error)]
+pub enum PodProxyError {
+    /// The state has no workload for the pod.
+    #[error("no workload {0}/{1} in the local config")]
+    UnknownWorkload(String, String),
+    /// Sockets in the pod netns failed.
+    #[error(transparent)]
+    Socket(#[from] SocketError),
+    /// TLS setup failed.
+    #[error(transparent)]
+    Tls(#[from] tls::TlsError),
+}
+
+/// What every pod proxy shares.
+#[derive(Debug)]
+pub struct ProxyContext {
+    /// Workload state.
+    pub state: StateHandle,
+    /// Certificates.
+    pub certs: Arc<CertManager>,
+    /// Connection counters.
+    pub metrics: Metrics,
+    /// SO_MARK of proxy sockets.
+    pub mark: u32,
+}
+
+/// The running proxy of one pod (shared by its connection tasks).
+#[derive(Debug)]
+pub struct PodProxy {
+    /// Shared context.
+    pub ctx: Arc<ProxyContext>,
+    /// The pod's workload at start.
+    pub workload: Arc<Workload>,
+    /// The pod's identity.
+    pub identity: Identity,
+    /// The pod's IPs.
+    pub ips: Vec<IpAddr>,
+    /// Socket factory in the pod netns.
+    pub sockets: PodSockets,
+    /// Outbound HBONE pool.
+    pub pool: Pool,
+    /// Server TLS config of the pod identity.
+    pub server_tls: Arc<rustls::ServerConfig>,
+}
+
+/// State of a pod in `/config_dump` (`workloadState`).
+#[derive(Debug, Clone, Serialize)]
+pub struct PodStatus {
+    /// Workload info from the agent.
+    pub info: WorkloadInfoDump,
+    /// `Up`.
+    pub state: &'static str,
+    /// SPIFFE identity served.
+    pub identity: String,
+    /// netns identity.
+    pub netns: String,
+}
+
+/// Serializable [`WorkloadInfo`].
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct WorkloadInfoDump {
+    /// Name.
+    pub name: String,
+    /// Namespace.
+    pub namespace: String,
+    /// Service account.
+    pub service_account: String,
+}
+
+struct Running {
+    netns: NetnsId,
+    task: AbortHandle,
+    status: PodStatus,
+}
+
+/// Starts and stops pod proxies; see the module docs.
+pub struct ProxyManager {
+    ctx: Arc<ProxyContext>,
+    running: Mutex<HashMap<String, Running>>,
+}
+
+impl ProxyManager {
+    /// A manager over `ctx`.
+    pub fn new(ctx: Arc<ProxyContext>) -> Arc<ProxyManager> {
+        Arc::new(ProxyManager { ctx, running: Mutex::new(HashMap::new()) })
+    }
+
+    /// Shared context.
+    pub fn ctx(&self) -> &Arc<ProxyContext> {
+        &self.ctx
+    }
+
+    /// `workloadState` for `/config_dump`: pod uid → status.
+    pub fn status(&self) -> BTreeMap<String, PodStatus> {
+        self.running
+            .lock()
+            .map(|r| r.iter().map(|(k, v)| (k.clone(), v.status.clone())).collect())
+            .unwrap_or_default()
+    }
+
+    /// Number of pods served.
+    pub fn len(&self) -> usize {
+        self.running.lock().map(|r| r.len()).unwrap_or(0)
+    }
+
+    /// Whether no pod is served.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Serves agent requests until the channel closes; answers each with an ack or nack text.
+    pub async fn run(self: Arc<Self>, mut rx: ZdsReceiver) {
+        while let Some((req, ack)) = rx.recv().await {
+            let res = match req {
+                WorkloadRequest::Add { uid, info, netns } => self
+                    .add(uid, info, netns)
+                    .await
+                    .map_err(|e| format!("failure to start proxy : {e}")),
+                WorkloadRequest::Del { uid } => {
+                    self.del(&uid);
+                    Ok(())
+                }
+                WorkloadRequest::Keep { .. } | WorkloadRequest::SnapshotSent => Ok(()),
+            };
+            let _ = ack.send(res);
+        }
+        self.stop_all();
+    }
+
+    /// Stops every pod proxy.
+    pub fn stop_all(&self) {
+        if let Ok(mut r) = self.running.lock() {
+            for (_, p) in r.drain() {
+                p.task.abort();
+            }
+        }
+    }
+
+    fn del(&self, uid: &str) {
+        let removed = self.running.lock().ok().and_then(|mut r| r.remove(uid));
+        if let Some(p) = removed {
+            p.task.abort();
+            tracing::info!(%uid, "pod proxy stopped");
+        }
+    }
+
+    async fn add(&self, uid: String, info: WorkloadInfo, netns: Netns) -> Result<(), PodProxyError> {
+        if let Ok(r) = self.running.lock() {
+            if r.get(&uid).is_some_and(|p| p.netns == netns.id()) {
+                return Ok(());
+            }
+        }
+        self.del(&uid);
+        let workload = self.wait_for_workload(&info).await?;
+        let identity = workload.identity();
+        let sockets = PodSockets::new(&netns, self.ctx.mark)?;
+        let outbound_l = sockets.listen(OUTBOUND_PORT).await?;
+        let inbound_l = sockets.listen(INBOUND_PLAINTEXT_PORT).await?;
+        let hbone_l = sockets.listen(HBONE_PORT).await?;
+        let server_tls = tls::server_config(self.ctx.certs.clone(), identity.clone())?;
+        let pod = Arc::new(PodProxy {
+            ctx: self.ctx.clone(),
+            ips: workload.workload_ips.clone(),
+            identity: identity.clone(),
+            workload,
+            pool: Pool::new(sockets.clone(), self.ctx.certs.clone()),
+            sockets,
+            server_tls,
+        });
+        let span = tracing::info_span!("pod", %uid, name = %info.name, namespace = %info.namespace);
+        let task = tokio::spawn(tracing::Instrument::instrument(serve(pod, outbound_l, inbound_l, hbone_l), span))
+            .abort_handle();
+        tracing::info!(%uid, %identity, netns = %netns.id(), "pod proxy listening on 15001, 15006, 15008");
+        let status = PodStatus {
+            info: WorkloadInfoDump {
+                name: info.name,
+                namespace: info.namespace,
+                service_account: info.service_account,
+            },
+            state: "Up",
+            identity: identity.to_string(),
+            netns: netns.id().to_string(),
+        };
+        if let Ok(mut r) = self.running.lock() {
+            r.insert(uid, Running { netns: netns.id(), task, status });
+        }
+        Ok(())
+    }
+
+    async fn wait_for_workload(&self, info: &WorkloadInfo) -> Result<Arc<Workload>, PodProxyError> {
+        let deadline = tokio::time::Instant::now() + WORKLOAD_WAIT;
+        loop {
+            if let Some(w) = self.ctx.state.load().workload_by_name(&info.namespace, &info.name) {
+                return Ok(w);
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(PodProxyError::UnknownWorkload(info.namespace.clone(), info.name.clone()));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+/// Accepts on the three listeners; connection tasks live in a JoinSet so aborting this task ends them.
+async fn serve(pod: Arc<PodProxy>, outbound_l: TcpListener, inbound_l: TcpListener, hbone_l: TcpListener) {
+    let mut conns = JoinSet::new();
+    loop {
+        tokio::select! {
+            r = outbound_l.accept() => if let Ok((s, peer)) = r {
+                let _ = s.set_nodelay(true);
+                conns.spawn(outbound::handle(pod.clone(), s, peer));
+            },
+            r = inbound_l.accept() => if let Ok((s, peer)) = r {
+                let _ = s.set_nodelay(true);
+                conns.spawn(inbound::handle_plaintext(pod.clone(), s, peer));
+            },
+            r = hbone_l.accept() => if let Ok((s, peer)) = r {
+                let _ = s.set_nodelay(true);
+                conns.spawn(inbound::handle_hbone(pod.clone(), s, peer));
+            },
+            Some(_) = conns.join_next(), if !conns.is_empty() => {}
+        }
+    }
+}
