@@ -13,3 +13,4 @@ pub mod proxy;
 pub mod zds;
 pub mod cnichain;
 pub mod lab;
+pub mod node;

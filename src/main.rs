@@ -1,9 +1,209 @@
-//! Multi-call entry point: `argv[0]` basename picks the role, otherwise the `ztnode` CLI.
+//! Multi-call entry point. `argv[0]` basename picks the role: `ztnode-cni` is the CNI plugin,
+//! `ztunnel` the proxy, `ztnode-agent` the agent; anything else is the `ztnode` CLI.
 
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
 use mimalloc::MiMalloc;
 
 #[global_allocator]
 static GLOBAL: MiMalloc = MiMalloc;
+
+/// Exit status for invalid configuration.
+const EXIT_BAD_CONFIG: i32 = 2;
+
+#[derive(Parser)]
+#[command(name = "ztnode", version = concat!(env!("CARGO_PKG_VERSION"), " (", env!("ZTNODE_GIT_SHA"), ")"),
+    about = "The node side of an ambient service mesh, wire-compatible with Istio ambient")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(clap::Args, Debug, Clone)]
+struct HostDirs {
+    /// Agent run dir (plugin socket `pluginevent.sock`, built-in CA).
+    #[arg(long, env = "CNI_AGENT_RUN_DIR", default_value = ztnode::podevent::DEFAULT_RUN_DIR)]
+    run_dir: PathBuf,
+    /// Host CNI binary dir.
+    #[arg(long, default_value = "/opt/cni/bin")]
+    cni_bin_dir: PathBuf,
+    /// Host CNI config dir.
+    #[arg(long, default_value = "/etc/cni/net.d")]
+    cni_conf_dir: PathBuf,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Agent and proxy in one process (standalone mode DaemonSet entrypoint).
+    Node {
+        /// Local config (ztunnel LOCAL_XDS_PATH YAML format).
+        #[arg(long, env = "LOCAL_XDS_PATH")]
+        config: PathBuf,
+        #[command(flatten)]
+        dirs: HostDirs,
+        /// Do not install the plugin onto the host CNI dirs.
+        #[arg(long)]
+        no_install: bool,
+        /// CA dir (root-cert.pem, ca-key.pem); default `<run-dir>/ca`.
+        #[arg(long)]
+        ca_dir: Option<PathBuf>,
+        /// Workload certificate lifetime, seconds.
+        #[arg(long, env = "SECRET_TTL_SECONDS", default_value_t = 86400)]
+        cert_lifetime_secs: u64,
+        /// SO_MARK of proxy sockets.
+        #[arg(long, env = "PACKET_MARK", default_value_t = ztnode::proxy::socket::DEFAULT_PACKET_MARK)]
+        packet_mark: u32,
+        /// Redirect DNS (udp/tcp 53) to 15053 in enrolled pods.
+        #[arg(long, env = "AMBIENT_DNS_CAPTURE")]
+        dns_capture: bool,
+        /// Program IPv6 redirection too.
+        #[arg(long, env = "AMBIENT_IPV6")]
+        ipv6: bool,
+        /// Admin address (`/config_dump`).
+        #[arg(long, default_value = "127.0.0.1:15000")]
+        admin_addr: SocketAddr,
+        /// Readiness address (`/healthz/ready`).
+        #[arg(long, default_value = "0.0.0.0:15021")]
+        readiness_addr: SocketAddr,
+        /// Metrics address (`/metrics`).
+        #[arg(long, default_value = "0.0.0.0:15020")]
+        metrics_addr: SocketAddr,
+    },
+    /// The proxy alone (needs the ZDS socket of a node agent; not available yet).
+    Proxy,
+    /// The agent alone (serves ZDS to a separate proxy; not available yet).
+    Agent,
+    /// Copy the plugin into the CNI bin dir and chain it into the primary CNI config.
+    Install {
+        #[command(flatten)]
+        dirs: HostDirs,
+    },
+    /// Reverse `install`.
+    Uninstall {
+        #[command(flatten)]
+        dirs: HostDirs,
+    },
+    /// Build a throwaway node on this machine and show HBONE between two pods (root).
+    Demo {
+        /// Keep going with more output.
+        #[arg(long)]
+        verbose: bool,
+    },
+    /// The CNI plugin (same as running as `ztnode-cni`).
+    Cni,
+    /// Print version and git commit.
+    Version,
+}
+
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let json = std::env::var("LOG_FORMAT").is_ok_and(|v| v == "json");
+    let b = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    if json {
+        b.json().init();
+    } else {
+        b.init();
+    }
+}
+
+fn install_config(dirs: &HostDirs) -> anyhow::Result<ztnode::agent::install::InstallConfig> {
+    Ok(ztnode::agent::install::InstallConfig {
+        cni_bin_dir: dirs.cni_bin_dir.clone(),
+        cni_conf_dir: dirs.cni_conf_dir.clone(),
+        source_binary: std::env::current_exe()?,
+        run_dir: dirs.run_dir.clone(),
+        exclude_namespaces: vec!["kube-system".into()],
+        log_level: None,
+    })
+}
+
+async fn shutdown_signal() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => return std::future::pending().await,
+    };
+    tokio::select! {
+        _ = term.recv() => {},
+        _ = tokio::signal::ctrl_c() => {},
+    }
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("ztnode")
+        .enable_all()
+        .build()?)
+}
+
+fn run(cmd: Cmd) -> anyhow::Result<i32> {
+    match cmd {
+        Cmd::Cni => Ok(ztnode::plugin::main()),
+        Cmd::Version => {
+            println!(
+                "ztnode {} (git {}, {} build)",
+                env!("CARGO_PKG_VERSION"),
+                env!("ZTNODE_GIT_SHA"),
+                env!("ZTNODE_PROFILE")
+            );
+            Ok(0)
+        }
+        Cmd::Proxy | Cmd::Agent => {
+            eprintln!(
+                "ztnode: the proxy and the agent run together as `ztnode node` in this version; \
+                 separate processes over the ZDS socket are not supported yet"
+            );
+            Ok(EXIT_BAD_CONFIG)
+        }
+        Cmd::Install { dirs } => {
+            init_tracing();
+            let outcome = ztnode::agent::install::install(&install_config(&dirs)?)?;
+            println!("{outcome:?}");
+            Ok(0)
+        }
+        Cmd::Uninstall { dirs } => {
+            init_tracing();
+            ztnode::agent::install::uninstall(&install_config(&dirs)?)?;
+            Ok(0)
+        }
+        Cmd::Demo { verbose } => Ok(ztnode::demo::run(verbose)),
+        Cmd::Node {
+            config,
+            dirs,
+            no_install,
+            ca_dir,
+            cert_lifetime_secs,
+            packet_mark,
+            dns_capture,
+            ipv6,
+            admin_addr,
+            readiness_addr,
+            metrics_addr,
+        } => {
+            init_tracing();
+            let cfg = ztnode::node::NodeConfig {
+                config,
+                run_dir: dirs.run_dir,
+                cni_bin_dir: dirs.cni_bin_dir,
+                cni_conf_dir: dirs.cni_conf_dir,
+                install: !no_install,
+                ca_dir,
+                cert_lifetime: Duration::from_secs(cert_lifetime_secs),
+                packet_mark,
+                redirect: ztnode::agent::redirect::RedirectPlan { ipv6, dns_capture, ..Default::default() },
+                admin_addr,
+                readiness_addr,
+                metrics_addr,
+            };
+            runtime()?.block_on(ztnode::node::run(cfg, shutdown_signal()))?;
+            Ok(0)
+        }
+    }
+}
 
 fn main() {
     let argv0 = std::env::args_os().next().unwrap_or_default();
@@ -11,11 +211,18 @@ fn main() {
         .file_name()
         .map(|s| s.to_string_lossy().into_owned())
         .unwrap_or_default();
-    if base == "ztnode-cni" {
-        std::process::exit(ztnode::plugin::main());
-    }
-    // `ztnode cni` runs the plugin too (handy before the symlink exists).
-    if std::env::args().nth(1).as_deref() == Some("cni") {
-        std::process::exit(ztnode::plugin::main());
-    }
+    let cmd = match base.as_str() {
+        "ztnode-cni" => Cmd::Cni,
+        "ztunnel" => Cmd::Proxy,
+        "ztnode-agent" => Cmd::Agent,
+        _ => Cli::parse().cmd,
+    };
+    let code = match run(cmd) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("ztnode: {e:#}");
+            1
+        }
+    };
+    std::process::exit(code);
 }
