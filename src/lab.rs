@@ -284,3 +284,39 @@ impl Drop for Lab {
 fn fxhash(s: &str) -> u64 {
     s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3)) & 0xffff_ffff_ffff
 }
+
+impl Lab {
+    /// Spawns `cmd` inside the node netns (the child inherits the namespace of the spawning thread).
+    pub fn spawn_in_node(&self, mut cmd: Command) -> Result<std::process::Child, LabError> {
+        self.node
+            .run(move || cmd.spawn())?
+            .map_err(io("spawn process in the node netns"))
+    }
+
+    /// Connects from inside `netns` to `addr` (blocking std stream; it stays in that namespace).
+    pub fn connect_from(netns: &Netns, addr: std::net::SocketAddr) -> Result<std::net::TcpStream, LabError> {
+        netns
+            .run(move || std::net::TcpStream::connect_timeout(&addr, std::time::Duration::from_secs(5)))?
+            .map_err(io(format!("connect to {addr}")))
+    }
+
+    /// Binds a listener inside `netns`.
+    pub fn listen_in(netns: &Netns, addr: std::net::SocketAddr) -> Result<std::net::TcpListener, LabError> {
+        netns
+            .run(move || std::net::TcpListener::bind(addr))?
+            .map_err(io(format!("listen on {addr}")))
+    }
+}
+
+/// Local config YAML (ztunnel format) for pods `(name, namespace, service account, ip)` on `node`,
+/// all with protocol HBONE.
+pub fn local_config(node: &str, pods: &[(&str, &str, &str, std::net::IpAddr)]) -> String {
+    let mut y = String::from("workloads:\n");
+    for (name, ns, sa, ip) in pods {
+        y.push_str(&format!(
+            "- uid: cluster1//v1/Pod/{ns}/{name}\n  name: {name}\n  namespace: {ns}\n  serviceAccount: {sa}\n  \
+             workloadIps: [\"{ip}\"]\n  protocol: HBONE\n  node: {node}\n"
+        ));
+    }
+    y
+}

@@ -14,3 +14,5 @@ pub mod zds;
 pub mod cnichain;
 pub mod lab;
 pub mod node;
+pub mod pcap;
+pub mod demo;

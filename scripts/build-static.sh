@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Builds the static release binary: x86_64-unknown-linux-musl (musl-gcc for ring and mimalloc),
+# falling back to glibc with +crt-static. Prints the binary's path on the last line.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
+if command -v musl-gcc >/dev/null 2>&1 && rustup target list --installed 2>/dev/null | grep -q x86_64-unknown-linux-musl; then
+  if CC_x86_64_unknown_linux_musl=musl-gcc cargo build --release --locked --target x86_64-unknown-linux-musl >&2; then
+    echo "$CARGO_TARGET_DIR/x86_64-unknown-linux-musl/release/ztnode"
+    exit 0
+  fi
+  echo "build-static: musl build failed, falling back to glibc +crt-static" >&2
+fi
+RUSTFLAGS="-C target-feature=+crt-static" cargo build --release --locked --target x86_64-unknown-linux-gnu >&2
+echo "$CARGO_TARGET_DIR/x86_64-unknown-linux-gnu/release/ztnode"

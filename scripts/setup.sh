@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Installs what ztnode's build, demo and tests need on a Debian-like machine. Idempotent; run as root.
+#   OS packages: iproute2, nftables, iptables, tcpdump, iperf3, file, the reference CNI plugins
+#   (containernetworking-plugins: bridge, host-local), musl-tools (musl-gcc for the static build).
+#   Rust: the x86_64-unknown-linux-musl target.
+set -euo pipefail
+pkgs=(iproute2 nftables iptables tcpdump iperf3 file containernetworking-plugins musl-tools ca-certificates)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "setup: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+if command -v rustup >/dev/null 2>&1; then
+  rustup target list --installed | grep -q x86_64-unknown-linux-musl || rustup target add x86_64-unknown-linux-musl
+fi
+echo "setup: ok"

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Runs every test (unit, in-process, and the privileged netns end-to-end tests). Root.
+# Installs what the tests need first. Fails when any test fails.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/setup.sh
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
+cargo build --locked --bins
+cargo test --locked --no-fail-fast -- --test-threads=4
