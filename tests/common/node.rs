@@ -1,0 +1,120 @@
+//! A running `ztnode node` process in a lab node, with pods, for the end-to-end tests.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use ztnode::lab::{self, Lab, LabOptions, Pod};
+
+/// Kills the node process on drop.
+pub struct NodeProcess(pub Child);
+
+impl Drop for NodeProcess {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.0.id() as i32), nix::sys::signal::Signal::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.0.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A lab node running `ztnode node`, with two enrolled pods (`client` sa alice, `server` sa bob)
+/// and one pod outside the mesh (`outsider`). Field order = drop order: process first, then the lab.
+pub struct MeshNode {
+    pub process: NodeProcess,
+    pub lab: Lab,
+    pub log: PathBuf,
+    pub run_dir: PathBuf,
+    pub client: Pod,
+    pub server: Pod,
+    pub outsider: Pod,
+}
+
+pub const SUBNET: &str = "10.249.0.0/24";
+
+impl MeshNode {
+    /// Builds the node; `prefix` must be unique per test and ≤ 10 chars.
+    pub fn start(prefix: &str) -> MeshNode {
+        let run_dir = std::env::temp_dir().join(format!("ztnode-e2e-run-{prefix}"));
+        let _ = std::fs::remove_dir_all(&run_dir);
+        let lab = Lab::new(LabOptions {
+            prefix: prefix.into(),
+            ztnode_binary: Some(env!("CARGO_BIN_EXE_ztnode").into()),
+            run_dir: run_dir.clone(),
+            subnet: SUBNET.into(),
+            cni_version: "1.0.0".into(),
+        })
+        .expect("lab");
+        let client_ip = "10.249.0.2".parse().expect("ip");
+        let server_ip = "10.249.0.3".parse().expect("ip");
+        let config = lab.dir().join("local-config.yaml");
+        std::fs::write(
+            &config,
+            lab::local_config(prefix, &[("client", "default", "alice", client_ip), ("server", "default", "bob", server_ip)]),
+        )
+        .expect("write config");
+        let log = lab.dir().join("node.log");
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_ztnode"));
+        cmd.arg("node")
+            .arg("--config")
+            .arg(&config)
+            .arg("--run-dir")
+            .arg(&run_dir)
+            .arg("--no-install")
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("log file"));
+        let process = NodeProcess(lab.spawn_in_node(cmd).expect("spawn ztnode node"));
+        let sock = run_dir.join("pluginevent.sock");
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while !sock.exists() {
+            assert!(Instant::now() < deadline, "node did not start: {}", std::fs::read_to_string(&log).unwrap_or_default());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let client = lab.add_pod("client", "default").expect("add client");
+        let server = lab.add_pod("server", "default").expect("add server");
+        let outsider = lab.add_pod("outsider", "default").expect("add outsider");
+        assert_eq!((client.ip, server.ip), (client_ip, server_ip), "host-local allocation order");
+        MeshNode { process, lab, log, run_dir, client, server, outsider }
+    }
+
+    /// The node log so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits until the log has a line matching all `needles`; returns it.
+    pub fn wait_log(&self, needles: &[&str], timeout: Duration) -> String {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let text = self.log_text();
+            if let Some(l) = text.lines().find(|l| needles.iter().all(|n| l.contains(n))) {
+                return l.to_owned();
+            }
+            assert!(Instant::now() < deadline, "no log line with {needles:?}; log:\n{text}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// `nft list ruleset` inside a pod.
+    pub fn ruleset(pod: &Pod) -> String {
+        let out = Command::new("ip")
+            .args(["netns", "exec", &pod.netns_name, "nft", "list", "ruleset"])
+            .output()
+            .expect("nft");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+}
+
+impl Drop for MeshNode {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.run_dir);
+    }
+}

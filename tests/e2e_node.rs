@@ -1,0 +1,186 @@
+//! End to end: `ztnode node` as a separate process in a lab node, pods attached through the real CNI
+//! chain (reference bridge + host-local, then ztnode-cni), traffic between them over HBONE.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{IpAddr, SocketAddr};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::node::MeshNode;
+use ztnode::lab::Lab;
+use ztnode::netns::Netns;
+
+fn echo_once(ns: &Netns, addr: SocketAddr) -> std::thread::JoinHandle<(Vec<u8>, SocketAddr)> {
+    let listener = Lab::listen_in(ns, addr).expect("listen");
+    std::thread::spawn(move || {
+        let (mut s, peer) = listener.accept().expect("accept");
+        let mut buf = Vec::new();
+        s.read_to_end(&mut buf).expect("read");
+        s.write_all(&buf).expect("echo");
+        (buf, peer)
+    })
+}
+
+#[test]
+fn pods_talk_over_hbone_with_identities_and_real_source_ip() {
+    if !common::privileged("pods_talk_over_hbone_with_identities_and_real_source_ip") {
+        return;
+    }
+    let node = MeshNode::start(&common::prefix("e2a"));
+    // enrollment: rules in both mesh pods, none in the outsider
+    for pod in [&node.client, &node.server] {
+        let rules = MeshNode::ruleset(pod);
+        assert!(rules.contains("redirect to :15001") && rules.contains("redirect to :15006"), "{rules}");
+    }
+    assert!(!MeshNode::ruleset(&node.outsider).contains("istio-ambient"), "outsider must not be enrolled");
+
+    let pcap = node.lab.dir().join("e2e.pcap");
+    let mut dump = Command::new("ip")
+        .args(["netns", "exec", node.lab.node_name(), "tcpdump", "-i", &node.lab.bridge(), "-U", "-n", "-w"])
+        .arg(&pcap)
+        .arg("tcp")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("tcpdump");
+    std::thread::sleep(Duration::from_millis(700));
+
+    let server_ns = Netns::open(&node.server.netns_path).expect("server netns");
+    let client_ns = Netns::open(&node.client.netns_path).expect("client netns");
+    let app = SocketAddr::new(node.server.ip, 8080);
+    let echo = echo_once(&server_ns, app);
+    let secret = b"the quick brown fox jumps over the lazy mesh";
+    let mut c = Lab::connect_from(&client_ns, app).expect("connect");
+    c.write_all(secret).expect("write");
+    c.shutdown(std::net::Shutdown::Write).expect("half close");
+    let mut back = Vec::new();
+    c.read_to_end(&mut back).expect("read echo");
+    assert_eq!(back, secret);
+    let (got, peer) = echo.join().expect("echo thread");
+    assert_eq!(got, secret);
+    assert_eq!(peer.ip(), node.client.ip, "the app must see the client's real IP");
+
+    let out = node.wait_log(&["connection complete", "direction=\"outbound\""], Duration::from_secs(5));
+    let inb = node.wait_log(&["connection complete", "direction=\"inbound\""], Duration::from_secs(5));
+    for line in [&out, &inb] {
+        assert!(line.contains("spiffe://cluster.local/ns/default/sa/alice"), "{line}");
+        assert!(line.contains("spiffe://cluster.local/ns/default/sa/bob"), "{line}");
+    }
+    assert!(inb.contains(&format!("src.addr={}", node.client.ip)), "{inb}");
+
+    std::thread::sleep(Duration::from_millis(500));
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(dump.id() as i32), nix::sys::signal::Signal::SIGTERM);
+    let _ = dump.wait();
+    let data = std::fs::read(&pcap).expect("pcap");
+    let segs = ztnode::pcap::tcp_segments(&data).expect("parse pcap");
+    let between: Vec<_> = segs
+        .iter()
+        .filter(|s| [s.src, s.dst].contains(&node.client.ip) && [s.src, s.dst].contains(&node.server.ip))
+        .collect();
+    assert!(!between.is_empty(), "capture saw nothing between the pods");
+    assert!(between.iter().all(|s| s.src_port == 15008 || s.dst_port == 15008), "non-HBONE packets between pods");
+    assert!(!between.iter().any(|s| ztnode::pcap::contains(&s.payload, secret)), "payload crossed in clear");
+    assert!(between.iter().any(|s| s.payload.starts_with(&[0x17, 0x03, 0x03])), "no TLS records");
+
+    // CNI DEL removes the rules; a second DEL succeeds
+    node.lab.cni_del(&node.client).expect("DEL");
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while MeshNode::ruleset(&node.client).contains("istio-ambient") {
+        assert!(std::time::Instant::now() < deadline, "rules left after DEL");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    node.lab.cni_del(&node.client).expect("second DEL");
+}
+
+#[test]
+fn gigabyte_transfer_and_200_concurrent_connections() {
+    if !common::privileged("gigabyte_transfer_and_200_concurrent_connections") {
+        return;
+    }
+    let node = MeshNode::start(&common::prefix("e2b"));
+    let server_ns = Netns::open(&node.server.netns_path).expect("server netns");
+    let client_ns = Netns::open(&node.client.netns_path).expect("client netns");
+
+    // 1 GiB one way, checksum compared
+    let bulk = SocketAddr::new(node.server.ip, 9000);
+    let listener = Lab::listen_in(&server_ns, bulk).expect("listen");
+    let sink = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().expect("accept");
+        let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
+        let mut buf = vec![0u8; 1 << 20];
+        let mut total = 0u64;
+        loop {
+            let n = s.read(&mut buf).expect("read");
+            if n == 0 {
+                break;
+            }
+            ctx.update(&buf[..n]);
+            total += n as u64;
+        }
+        (total, ctx.finish().as_ref().to_vec())
+    });
+    let mut c = Lab::connect_from(&client_ns, bulk).expect("connect");
+    let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
+    let mut chunk = vec![0u8; 1 << 20];
+    for i in 0..1024u32 {
+        for (j, b) in chunk.iter_mut().enumerate() {
+            *b = (i as usize).wrapping_mul(31).wrapping_add(j) as u8;
+        }
+        ctx.update(&chunk);
+        c.write_all(&chunk).expect("write");
+    }
+    drop(c);
+    let (total, digest) = sink.join().expect("sink");
+    assert_eq!(total, 1 << 30);
+    assert_eq!(digest, ctx.finish().as_ref().to_vec(), "checksum mismatch");
+
+    // 200 concurrent connections, each echoing its own id
+    let many = SocketAddr::new(node.server.ip, 9001);
+    let listener = Lab::listen_in(&server_ns, many).expect("listen");
+    let server = std::thread::spawn(move || {
+        let mut handles = Vec::new();
+        for _ in 0..200 {
+            let (mut s, _) = listener.accept().expect("accept");
+            handles.push(std::thread::spawn(move || {
+                let mut buf = [0u8; 4];
+                s.read_exact(&mut buf).expect("read id");
+                s.write_all(&buf).expect("echo id");
+            }));
+        }
+        for h in handles {
+            h.join().expect("conn thread");
+        }
+    });
+    let conns: Vec<_> = (0..200u32)
+        .map(|i| {
+            let mut s = Lab::connect_from(&client_ns, many).expect("connect");
+            s.write_all(&i.to_be_bytes()).expect("write id");
+            (i, s)
+        })
+        .collect();
+    for (i, mut s) in conns {
+        s.set_read_timeout(Some(Duration::from_secs(20))).expect("timeout");
+        let mut buf = [0u8; 4];
+        s.read_exact(&mut buf).expect("read echo");
+        assert_eq!(u32::from_be_bytes(buf), i);
+    }
+    server.join().expect("server");
+}
+
+#[test]
+fn destination_without_listener_closes_the_client() {
+    if !common::privileged("destination_without_listener_closes_the_client") {
+        return;
+    }
+    let node = MeshNode::start(&common::prefix("e2c"));
+    let client_ns = Netns::open(&node.client.netns_path).expect("client netns");
+    let mut c = Lab::connect_from(&client_ns, SocketAddr::new(node.server.ip, 9999)).expect("connect to local proxy");
+    c.set_read_timeout(Some(Duration::from_secs(15))).expect("timeout");
+    let mut buf = [0u8; 16];
+    let r = c.read(&mut buf);
+    assert!(matches!(r, Ok(0)) || r.is_err(), "connection must be closed, got {r:?}");
+    node.wait_log(&["connection failed", "503"], Duration::from_secs(5));
+    let _: IpAddr = node.server.ip;
+}
