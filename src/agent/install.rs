@@ -1,1 +1,307 @@
-//! CNI conf/bin installer (stub).
+//! Self-installer of the CNI plugin: copies the running binary into the CNI bin dir as `ztnode-cni`
+//! and chains a `ztnode-cni` entry into the node's primary CNI network config; undoes both on
+//! uninstall; [`watch_and_repair`] keeps both in place while the agent runs.
+//!
+//! Follows Istio's installer (`cni/pkg/install`, `../shared/spec/istio-cni.md` §2) with these choices:
+//! - Primary config = first `.conf`/`.conflist` in the conf dir by byte-wise name order that the runtime
+//!   accepts (kubelet/libcni semantics); unparseable files, `.conf` without `type` and lists without
+//!   plugins are skipped.
+//! - Our entry goes LAST into the primary's `plugins`, exactly once; every other key and plugin keeps
+//!   its value and position (unlike Istio, which re-sorts keys). Files are rewritten only when their
+//!   JSON value changes, as 2-space indented JSON plus a newline, atomically, keeping their mode.
+//! - A single-plugin `X.conf` becomes `X.conflist` with the conf's own `cniVersion` and `name` (Istio
+//!   writes `0.3.1`/`k8s-pod-network`); our entry records `"ztnode_converted_from": "X.conf"` so a later
+//!   uninstall writes `X.conf` back.
+//! - Entries of ours in files that are no longer primary are removed (a converted `.conf` is restored).
+
+mod conflist;
+mod files;
+mod plan;
+mod watch;
+
+use std::io;
+use std::path::PathBuf;
+
+pub use conflist::{CONVERTED_FROM_KEY, PLUGIN_TYPE};
+pub use watch::watch_and_repair;
+
+use conflist::EntryParams;
+
+/// Default CNI binary dir on the host.
+pub const DEFAULT_CNI_BIN_DIR: &str = "/opt/cni/bin";
+/// Default CNI network config dir on the host.
+pub const DEFAULT_CNI_CONF_DIR: &str = "/etc/cni/net.d";
+/// File name of the installed plugin binary (the multi-call binary dispatches on it).
+pub const PLUGIN_BINARY_NAME: &str = "ztnode-cni";
+/// Namespace excluded by default (`exclude_namespaces` in our entry).
+pub const DEFAULT_EXCLUDED_NAMESPACE: &str = "kube-system";
+
+/// Errors of the installer. Each names the file or directory concerned.
+#[derive(Debug, thiserror::Error)]
+pub enum InstallError {
+    /// Listing a directory failed.
+    #[error("read dir {dir}: {source}")]
+    ReadDir {
+        /// The directory.
+        dir: PathBuf,
+        /// Underlying I/O error.
+        #[source]
+        source: io::Error,
+    },
+    /// Reading a config file failed (other than it vanishing meanwhile).
+    #[error("read {path}: {source}")]
+    ReadFile {
+        /// The file.
+        path: PathBuf,
+        /// Underlying I/O error.
+        #[source]
+        source: io::Error,
+    },
+    /// The conf dir has no config the runtime would use (yet): the primary CNI has not written one.
+    /// [`watch_and_repair`] waits for one; [`install`] still copied the binary.
+    #[error("no valid CNI network config (.conf/.conflist) in {dir}; waiting for the primary CNI")]
+    NoPrimaryConfig {
+        /// The conf dir.
+        dir: PathBuf,
+    },
+    /// The primary is `X.conf` but converting it would overwrite an `X.conflist` we did not write.
+    #[error("cannot convert {conf} to a list: {conflist} exists and was not written by ztnode")]
+    ConflistExists {
+        /// The primary `.conf`.
+        conf: PathBuf,
+        /// Its existing `.conflist` sibling.
+        conflist: PathBuf,
+    },
+    /// Serialising a config failed.
+    #[error("render {path}: {source}")]
+    Render {
+        /// The file that was to be written.
+        path: PathBuf,
+        /// The serde error.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// Writing a config file (temp file, fsync, rename) failed.
+    #[error("write {path}: {source}")]
+    Write {
+        /// The file.
+        path: PathBuf,
+        /// Underlying I/O error.
+        #[source]
+        source: io::Error,
+    },
+    /// Removing a file failed.
+    #[error("remove {path}: {source}")]
+    Remove {
+        /// The file.
+        path: PathBuf,
+        /// Underlying I/O error.
+        #[source]
+        source: io::Error,
+    },
+    /// Comparing or copying the plugin binary failed (a read-only bin dir ends up here).
+    #[error("copy plugin binary {from} to {to}: {source}")]
+    CopyBinary {
+        /// The running binary.
+        from: PathBuf,
+        /// The target in the CNI bin dir.
+        to: PathBuf,
+        /// Underlying I/O error.
+        #[source]
+        source: io::Error,
+    },
+    /// A path that goes into the config JSON is not UTF-8.
+    #[error("path {path} is not valid UTF-8 and cannot go into the CNI config")]
+    NonUtf8Path {
+        /// The path.
+        path: PathBuf,
+    },
+    /// Setting up or reading the inotify watch failed.
+    #[error("watch CNI dirs: {source}")]
+    Watch {
+        /// Underlying I/O error.
+        #[source]
+        source: io::Error,
+    },
+    /// A blocking install task panicked or was cancelled.
+    #[error("install task failed: {source}")]
+    Task {
+        /// The join error.
+        #[source]
+        source: tokio::task::JoinError,
+    },
+}
+
+/// Where to install and what to write into our entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InstallConfig {
+    /// CNI binary dir; default [`DEFAULT_CNI_BIN_DIR`]. Created if missing.
+    pub cni_bin_dir: PathBuf,
+    /// CNI network config dir; default [`DEFAULT_CNI_CONF_DIR`].
+    pub cni_conf_dir: PathBuf,
+    /// The binary to install as `ztnode-cni`, normally `std::env::current_exe()`.
+    pub source_binary: PathBuf,
+    /// Agent run dir, written as `cni_agent_run_dir` (where the plugin finds `pluginevent.sock`).
+    pub run_dir: PathBuf,
+    /// Written as `exclude_namespaces`; default `["kube-system"]`.
+    pub exclude_namespaces: Vec<String>,
+    /// Written as `plugin_log_level` if set.
+    pub log_level: Option<String>,
+}
+
+/// What [`install`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InstallOutcome {
+    /// The binary was written; `false` when the installed one already had the same content.
+    pub binary_written: bool,
+    /// The config side.
+    pub conf: ConfOutcome,
+}
+
+/// What the config side of [`install`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfOutcome {
+    /// The config file holding our entry afterwards.
+    pub primary: PathBuf,
+    /// The `.conf` that `primary` was converted from (in this run or an earlier one).
+    pub converted_from: Option<PathBuf>,
+    /// Whether any config file was written or removed (`false`: everything was in place).
+    pub changed: bool,
+}
+
+// === impl InstallConfig ===
+
+impl InstallConfig {
+    /// Config with the default dirs, the given binary and run dir, `kube-system` excluded.
+    pub fn new(source_binary: PathBuf, run_dir: PathBuf) -> Self {
+        InstallConfig {
+            cni_bin_dir: DEFAULT_CNI_BIN_DIR.into(),
+            cni_conf_dir: DEFAULT_CNI_CONF_DIR.into(),
+            source_binary,
+            run_dir,
+            exclude_namespaces: vec![DEFAULT_EXCLUDED_NAMESPACE.into()],
+            log_level: None,
+        }
+    }
+
+    /// Path of the installed plugin binary.
+    pub fn installed_binary(&self) -> PathBuf {
+        self.cni_bin_dir.join(PLUGIN_BINARY_NAME)
+    }
+
+    fn entry_params(&self) -> Result<EntryParams, InstallError> {
+        let run_dir = self
+            .run_dir
+            .to_str()
+            .ok_or_else(|| InstallError::NonUtf8Path {
+                path: self.run_dir.clone(),
+            })?;
+        Ok(EntryParams {
+            run_dir: run_dir.to_owned(),
+            exclude_namespaces: self.exclude_namespaces.clone(),
+            log_level: self.log_level.clone(),
+        })
+    }
+}
+
+// === impl InstallOutcome ===
+
+impl InstallOutcome {
+    /// Whether anything on disk changed.
+    pub fn changed(&self) -> bool {
+        self.binary_written || self.conf.changed
+    }
+}
+
+/// Installs: copies the binary (skipped when identical), then chains our entry into the primary
+/// config. Errors: [`InstallError::NoPrimaryConfig`] when there is no usable config yet (the binary
+/// is copied anyway), otherwise the failing file operation.
+pub fn install(cfg: &InstallConfig) -> Result<InstallOutcome, InstallError> {
+    let binary_written = install_binary(cfg)?;
+    let conf = install_conf(cfg)?;
+    Ok(InstallOutcome {
+        binary_written,
+        conf,
+    })
+}
+
+/// Uninstalls: removes our entries from every config in the conf dir (a `.conf` we converted is
+/// written back and its `.conflist` removed), then the binary. Missing dirs or files are fine, so a
+/// second call succeeds too.
+pub fn uninstall(cfg: &InstallConfig) -> Result<(), InstallError> {
+    let dir = &cfg.cni_conf_dir;
+    files::remove_stale_conf_tmp(dir)?;
+    match files::scan_conf_dir(dir) {
+        Ok(snapshot) => {
+            let actions = plan::plan_uninstall(&snapshot);
+            files::apply(dir, &actions)?;
+            if !actions.is_empty() {
+                tracing::info!(dir = %dir.display(), "removed ztnode-cni from the CNI config");
+            }
+        }
+        Err(InstallError::ReadDir { source, .. }) if source.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    files::remove_if_exists(&cfg.installed_binary())
+}
+
+/// Whether everything is in place: the installed binary has the source's content and mode 0755, and
+/// an install would change no config file. `Ok(false)` when there is no primary config or conf dir.
+pub fn is_installed(cfg: &InstallConfig) -> Result<bool, InstallError> {
+    if !files::binary_current(&cfg.source_binary, &cfg.installed_binary())? {
+        return Ok(false);
+    }
+    conf_in_place(cfg)
+}
+
+/// Copies the binary unless identical; returns whether it was written.
+fn install_binary(cfg: &InstallConfig) -> Result<bool, InstallError> {
+    let written = files::install_binary(&cfg.source_binary, &cfg.cni_bin_dir, PLUGIN_BINARY_NAME)?;
+    if written {
+        let to = cfg.installed_binary();
+        tracing::info!(to = %to.display(), "installed the CNI plugin binary");
+    }
+    Ok(written)
+}
+
+/// The config half of [`install`].
+fn install_conf(cfg: &InstallConfig) -> Result<ConfOutcome, InstallError> {
+    let params = cfg.entry_params()?;
+    let dir = &cfg.cni_conf_dir;
+    files::remove_stale_conf_tmp(dir)?;
+    let snapshot = scan_for_install(cfg)?;
+    let plan = plan::plan_install(dir, &snapshot, &params)?;
+    files::apply(dir, &plan.actions)?;
+    let outcome = ConfOutcome {
+        primary: dir.join(&plan.primary),
+        converted_from: plan.converted_from.map(|name| dir.join(name)),
+        changed: !plan.actions.is_empty(),
+    };
+    if outcome.changed {
+        tracing::info!(primary = %outcome.primary.display(), "chained ztnode-cni into the CNI config");
+    }
+    Ok(outcome)
+}
+
+/// Whether an install would leave every config file as it is.
+fn conf_in_place(cfg: &InstallConfig) -> Result<bool, InstallError> {
+    let params = cfg.entry_params()?;
+    let planned = scan_for_install(cfg)
+        .and_then(|snapshot| plan::plan_install(&cfg.cni_conf_dir, &snapshot, &params));
+    match planned {
+        Ok(plan) => Ok(plan.actions.is_empty()),
+        Err(InstallError::NoPrimaryConfig { .. }) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// Scans the conf dir; a missing dir means no primary config yet.
+fn scan_for_install(cfg: &InstallConfig) -> Result<Vec<plan::ConfFile>, InstallError> {
+    let dir = &cfg.cni_conf_dir;
+    match files::scan_conf_dir(dir) {
+        Err(InstallError::ReadDir { source, .. }) if source.kind() == io::ErrorKind::NotFound => {
+            Err(InstallError::NoPrimaryConfig { dir: dir.clone() })
+        }
+        other => other,
+    }
+}
