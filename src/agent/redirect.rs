@@ -1,1 +1,212 @@
-//! In-pod redirection (stub).
+//! In-pod traffic redirection: the nftables rule set of istio-cni's native nftables backend
+//! (spec §4.9, `cni/pkg/nftables/testdata/default.golden`) plus its policy routing (spec §4.2),
+//! programmed in-process over netlink inside the pod's network namespace.
+//!
+//! Three `inet` tables are installed in one nf_tables transaction:
+//! - `istio-ambient-nat`: outbound TCP -> `:15001`, inbound TCP (except to 15008) -> `:15006`,
+//!   DNS (UDP/TCP 53) -> `:15053` when DNS capture is on; kubelet probes from the probe SNAT address,
+//!   traffic to loopback and ztunnel-marked (0x539/0xfff) packets are left alone.
+//! - `istio-ambient-mangle`: packets from ztunnel set connmark 0x111 (keeping the upper bits); on
+//!   output the ct mark is copied into the packet mark, so `fwmark 0x111/0xfff lookup 100` routes
+//!   the replies back to ztunnel through the local route in table 100.
+//! - `istio-ambient-raw` (DNS capture only): ztunnel's upstream DNS flows get conntrack zone 1.
+//!
+//! [`render_script`] prints the same rule set as an `nft -f` script (istio-cni's text, for docs and
+//! debugging); [`apply`] installs it. Unlike the script's `add` + `flush`, [`apply`] replaces each
+//! table with `add` + `delete` + `add`, so chains left by older versions disappear as well.
+
+mod routing;
+mod rule_spec;
+mod rules;
+
+#[cfg(test)]
+mod tests;
+
+use std::net::{Ipv4Addr, Ipv6Addr};
+
+use crate::netns::{Netns, NetnsError};
+use crate::nft::{self, Batch, Command, NftError, Table};
+
+/// Packet mark ztunnel puts on its own sockets (`0x539` = 1337), compared under [`MARK_MASK`].
+pub const ZTUNNEL_MARK: u32 = 0x539;
+/// Connection mark of connections ztunnel accepted in-pod (`0x111`), under [`MARK_MASK`].
+pub const CONNMARK: u32 = 0x111;
+/// Mask of the mark bits this mesh owns (`0xfff`).
+pub const MARK_MASK: u32 = 0xfff;
+/// Policy routing table holding the local default route for connmarked replies.
+pub const ROUTE_TABLE: u32 = 100;
+/// Priority (`pref`) of the `fwmark` rule.
+pub const RULE_PRIORITY: u32 = 32764;
+/// ztunnel's outbound capture port.
+pub const OUTBOUND_PORT: u16 = 15001;
+/// ztunnel's inbound plaintext capture port.
+pub const INBOUND_PLAINTEXT_PORT: u16 = 15006;
+/// ztunnel's inbound HBONE port (never redirected).
+pub const INBOUND_HBONE_PORT: u16 = 15008;
+/// ztunnel's DNS proxy port.
+pub const DNS_CAPTURE_PORT: u16 = 15053;
+/// Conntrack zone of ztunnel's upstream DNS traffic.
+pub const DNS_CT_ZONE: u16 = 1;
+/// Default kubelet probe SNAT address (istio-cni `HOST_PROBE_SNAT_IP`).
+pub const DEFAULT_PROBE_V4: Ipv4Addr = Ipv4Addr::new(169, 254, 7, 127);
+/// Default kubelet probe SNAT address for IPv6 (istio-cni `HOST_PROBE_SNAT_IPV6`).
+pub const DEFAULT_PROBE_V6: Ipv6Addr = Ipv6Addr::new(
+    0xfd16, 0x9254, 0x7127, 0x1337, 0xffff, 0xffff, 0xffff, 0xffff,
+);
+
+/// The nat table (redirects).
+pub const NAT_TABLE: &str = "istio-ambient-nat";
+/// The mangle table (connmark save/restore).
+pub const MANGLE_TABLE: &str = "istio-ambient-mangle";
+/// The raw table (DNS conntrack zone; only with DNS capture).
+pub const RAW_TABLE: &str = "istio-ambient-raw";
+
+/// What to install in a pod.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedirectPlan {
+    /// Also capture IPv6 (v6 variants of the address rules, `ip -6` rule and route).
+    pub ipv6: bool,
+    /// Redirect DNS (UDP/TCP 53) to ztunnel and install the raw table (global
+    /// `AMBIENT_DNS_CAPTURE`, overridden per pod by `ambient.istio.io/dns-capture`).
+    pub dns_capture: bool,
+    /// Source address of kubelet probes after host SNAT; such traffic bypasses capture.
+    pub probe_v4: Ipv4Addr,
+    /// IPv6 probe SNAT address.
+    pub probe_v6: Ipv6Addr,
+}
+
+/// Errors installing, removing or checking the redirection.
+#[derive(Debug, thiserror::Error)]
+pub enum RedirectError {
+    /// Entering the pod's network namespace failed.
+    #[error("enter pod netns: {0}")]
+    Netns(#[from] NetnsError),
+    /// The nf_tables transaction failed (rolled back as a whole).
+    #[error("nftables in pod netns: {0}")]
+    Nft(#[from] NftError),
+    /// The tokio runtime for rtnetlink could not be built.
+    #[error("build runtime for rtnetlink: {source}")]
+    Runtime {
+        /// I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The rtnetlink socket could not be opened.
+    #[error("open rtnetlink socket: {source}")]
+    RtnetlinkSocket {
+        /// I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The namespace has no loopback interface.
+    #[error("no `lo` interface in pod netns")]
+    NoLoopback,
+    /// Reading or changing `lo` failed.
+    #[error("{op}: {source}")]
+    Link {
+        /// What was done (`get lo`, `set lo up`).
+        op: &'static str,
+        /// rtnetlink error.
+        #[source]
+        source: rtnetlink::Error,
+    },
+    /// Adding or deleting `fwmark 0x111/0xfff lookup 100 pref 32764` failed.
+    #[error("{op} {family} rule fwmark 0x111/0xfff lookup 100: {source}")]
+    Rule {
+        /// `add` or `delete`.
+        op: &'static str,
+        /// `ipv4` or `ipv6`.
+        family: &'static str,
+        /// rtnetlink error.
+        #[source]
+        source: rtnetlink::Error,
+    },
+    /// Replacing or deleting the local default route in table 100 failed.
+    #[error("{op} {family} local default route in table 100: {source}")]
+    Route {
+        /// `replace` or `delete`.
+        op: &'static str,
+        /// `ipv4` or `ipv6`.
+        family: &'static str,
+        /// rtnetlink error.
+        #[source]
+        source: rtnetlink::Error,
+    },
+}
+
+impl Default for RedirectPlan {
+    /// IPv4 only, no DNS capture, Istio's default probe SNAT addresses.
+    fn default() -> Self {
+        RedirectPlan {
+            ipv6: false,
+            dns_capture: false,
+            probe_v4: DEFAULT_PROBE_V4,
+            probe_v6: DEFAULT_PROBE_V6,
+        }
+    }
+}
+
+/// The rule set as an nft script (`add table` / `flush table` / `add chain` / `add rule` lines,
+/// istio-cni's order and wording), e.g. for `nft -f` or logs. Pure.
+pub fn render_script(plan: &RedirectPlan) -> String {
+    rules::render(plan)
+}
+
+/// The nf_tables batch [`apply`] sends: per table add + delete + add, then chains and rules; with
+/// DNS capture off, add + delete of the raw table (so turning DNS capture off removes it).
+pub fn apply_batch(plan: &RedirectPlan) -> Batch {
+    let mut b = Batch::new();
+    for c in rules::commands(plan) {
+        b.push(c);
+    }
+    if !plan.dns_capture {
+        b.push(Command::AddTable(Table::inet(RAW_TABLE)));
+        b.push(Command::DelTable(Table::inet(RAW_TABLE)));
+    }
+    b
+}
+
+/// The nf_tables batch [`remove`] sends: add + delete of every table (so it succeeds whether or not
+/// they exist).
+pub fn remove_batch() -> Batch {
+    let mut b = Batch::new();
+    for name in rules::all_table_names() {
+        b.push(Command::AddTable(Table::inet(name)));
+        b.push(Command::DelTable(Table::inet(name)));
+    }
+    b
+}
+
+/// Installs the redirection in `netns`: one nf_tables transaction replacing our tables (the raw
+/// table is deleted when DNS capture is off), then `lo` up, the fwmark rule and the local route.
+/// Idempotent: applying twice leaves the same state as applying once. Blocking.
+pub fn apply(netns: &Netns, plan: &RedirectPlan) -> Result<(), RedirectError> {
+    let batch = apply_batch(plan);
+    let ipv6 = plan.ipv6;
+    netns.run(move || -> Result<(), RedirectError> {
+        batch.commit()?;
+        routing::apply(ipv6)
+    })?
+}
+
+/// Removes our tables, rules and routes (v4 and v6) from `netns`. Succeeds when nothing is there.
+/// Blocking.
+pub fn remove(netns: &Netns) -> Result<(), RedirectError> {
+    netns.run(|| -> Result<(), RedirectError> {
+        remove_batch().commit()?;
+        routing::remove()
+    })?
+}
+
+/// Whether the redirection is installed in `netns`: both always-present tables (`istio-ambient-nat`
+/// and `istio-ambient-mangle`) exist. For CNI CHECK and diagnostics. Blocking.
+pub fn is_applied(netns: &Netns) -> Result<bool, RedirectError> {
+    netns.run(|| -> Result<bool, RedirectError> {
+        for name in [NAT_TABLE, MANGLE_TABLE] {
+            if !nft::table_exists(&Table::inet(name))? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    })?
+}

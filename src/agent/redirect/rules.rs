@@ -1,0 +1,325 @@
+//! The in-pod rule set as data: tables, chains and rules in istio-cni's order (spec §4.9). Both
+//! outputs come from here: the `nft` script text ([`render`]) and the netlink commands
+//! ([`commands`]), so the two cannot drift apart.
+
+use std::net::IpAddr;
+
+use crate::nft::{Chain, ChainHook, ChainType, Command, Hook, Rule, Table};
+
+use super::rule_spec::{Action, Dir, Match, Proto, RuleSpec, jump, port, rule};
+use super::{
+    CONNMARK, DNS_CAPTURE_PORT, DNS_CT_ZONE, INBOUND_HBONE_PORT, INBOUND_PLAINTEXT_PORT,
+    MANGLE_TABLE, MARK_MASK, NAT_TABLE, OUTBOUND_PORT, RAW_TABLE, RedirectPlan, ZTUNNEL_MARK,
+};
+
+/// Names of the chains in every table.
+const PREROUTING: &str = "prerouting";
+const OUTPUT: &str = "output";
+const ISTIO_PREROUTING: &str = "istio-prerouting";
+const ISTIO_OUTPUT: &str = "istio-output";
+
+const LOOPBACK: &str = "lo";
+const DNS_PORT: u16 = 53;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct TableSpec {
+    name: &'static str,
+    /// Base chains (`prerouting`, `output`) with their type and priority.
+    base: [(&'static str, ChainHook); 2],
+    rules: Vec<RuleSpec>,
+}
+
+/// The nft script for `plan`, in the form istio-cni feeds to `nft -f` (add + flush per table).
+pub(super) fn render(plan: &RedirectPlan) -> String {
+    let mut out = String::new();
+    for t in tables(plan) {
+        let table = format!("inet {}", t.name);
+        out.push_str(&format!("add table {table}\nflush table {table}\n"));
+        for (name, h) in &t.base {
+            out.push_str(&format!(
+                "add chain {table} {name} {{ type {} hook {} priority {} ; }}\n",
+                h.chain_type.name(),
+                h.hook.name(),
+                h.priority
+            ));
+        }
+        for name in [ISTIO_PREROUTING, ISTIO_OUTPUT] {
+            out.push_str(&format!("add chain {table} {name}\n"));
+        }
+        for r in &t.rules {
+            out.push_str(&format!("add rule {table} {} {}\n", r.chain, r.script()));
+        }
+    }
+    out
+}
+
+/// The commands installing `plan`: per table add + delete + add (replacing whatever was there),
+/// then its chains and rules.
+pub(super) fn commands(plan: &RedirectPlan) -> Vec<Command> {
+    let mut out = Vec::new();
+    for t in tables(plan) {
+        let table = Table::inet(t.name);
+        out.push(Command::AddTable(table.clone()));
+        out.push(Command::DelTable(table.clone()));
+        out.push(Command::AddTable(table.clone()));
+        for (name, h) in t.base {
+            out.push(Command::AddChain(Chain {
+                table: table.clone(),
+                name: name.into(),
+                hook: Some(h),
+            }));
+        }
+        for name in [ISTIO_PREROUTING, ISTIO_OUTPUT] {
+            out.push(Command::AddChain(Chain {
+                table: table.clone(),
+                name: name.into(),
+                hook: None,
+            }));
+        }
+        for r in &t.rules {
+            out.push(Command::AddRule(Rule {
+                table: table.clone(),
+                chain: r.chain.into(),
+                exprs: r.exprs(),
+            }));
+        }
+    }
+    out
+}
+
+/// The names of every table this module may create (for removal and checks).
+pub(super) fn all_table_names() -> [&'static str; 3] {
+    [NAT_TABLE, MANGLE_TABLE, RAW_TABLE]
+}
+
+fn hook(chain_type: ChainType, hook: Hook, priority: i32) -> ChainHook {
+    ChainHook {
+        chain_type,
+        hook,
+        priority,
+    }
+}
+
+/// The rule set of istio-cni's nftables backend (spec §4.9), in its emission order.
+fn tables(plan: &RedirectPlan) -> Vec<TableSpec> {
+    let mut v = vec![nat_table(plan), mangle_table()];
+    if plan.dns_capture {
+        v.push(raw_table());
+    }
+    v
+}
+
+/// Per-family values: (probe address, loopback address, loopback prefix length).
+fn families(plan: &RedirectPlan) -> Vec<(IpAddr, IpAddr, u8)> {
+    let mut v = vec![(
+        IpAddr::V4(plan.probe_v4),
+        IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
+        32,
+    )];
+    if plan.ipv6 {
+        v.push((
+            IpAddr::V6(plan.probe_v6),
+            IpAddr::V6(std::net::Ipv6Addr::LOCALHOST),
+            128,
+        ));
+    }
+    v
+}
+
+fn not_ztunnel() -> Match {
+    Match::MetaMark {
+        mask: MARK_MASK,
+        value: ZTUNNEL_MARK,
+        negate: true,
+    }
+}
+
+fn not_loopback(addr: IpAddr, prefix: u8) -> Match {
+    Match::Addr {
+        dir: Dir::Dst,
+        addr,
+        prefix: Some(prefix),
+        negate: true,
+    }
+}
+
+fn nat_table(plan: &RedirectPlan) -> TableSpec {
+    use Match::*;
+    let fams = families(plan);
+    let mut rules = vec![
+        jump(OUTPUT, ISTIO_OUTPUT),
+        jump(PREROUTING, ISTIO_PREROUTING),
+    ];
+    // Kubelet probes arrive SNATed to the probe address: never capture them.
+    for (dir, chain) in [(Dir::Src, ISTIO_PREROUTING), (Dir::Dst, ISTIO_OUTPUT)] {
+        for &(probe, _, _) in &fams {
+            let addr = Addr {
+                dir,
+                addr: probe,
+                prefix: None,
+                negate: false,
+            };
+            rules.push(rule(chain, vec![L4Proto(Proto::Tcp), addr], Action::Accept));
+        }
+    }
+    // Inbound TCP (not to localhost, not HBONE, not from ztunnel) goes to ztunnel's plaintext port.
+    for &(_, lo, len) in &fams {
+        let m = vec![
+            not_loopback(lo, len),
+            port(Proto::Tcp, Dir::Dst, INBOUND_HBONE_PORT, true),
+            not_ztunnel(),
+        ];
+        rules.push(rule(
+            ISTIO_PREROUTING,
+            m,
+            Action::Redirect(INBOUND_PLAINTEXT_PORT),
+        ));
+    }
+    if plan.dns_capture {
+        let udp = vec![
+            OifName {
+                name: LOOPBACK,
+                negate: true,
+            },
+            not_ztunnel(),
+            port(Proto::Udp, Dir::Dst, DNS_PORT, false),
+        ];
+        rules.push(rule(ISTIO_OUTPUT, udp, Action::Redirect(DNS_CAPTURE_PORT)));
+        for &(_, lo, len) in &fams {
+            let tcp = vec![
+                not_loopback(lo, len),
+                port(Proto::Tcp, Dir::Dst, DNS_PORT, false),
+                not_ztunnel(),
+            ];
+            rules.push(rule(ISTIO_OUTPUT, tcp, Action::Redirect(DNS_CAPTURE_PORT)));
+        }
+    }
+    // Replies of connections ztunnel accepted in-pod (connmark restored into the mark).
+    let connmarked = MetaMark {
+        mask: MARK_MASK,
+        value: CONNMARK,
+        negate: false,
+    };
+    rules.push(rule(
+        ISTIO_OUTPUT,
+        vec![L4Proto(Proto::Tcp), connmarked],
+        Action::Accept,
+    ));
+    // App to its own non-loopback address via lo: no hairpin through ztunnel.
+    for &(_, lo, len) in &fams {
+        let m = vec![
+            OifName {
+                name: LOOPBACK,
+                negate: false,
+            },
+            not_loopback(lo, len),
+        ];
+        rules.push(rule(ISTIO_OUTPUT, m, Action::Accept));
+    }
+    // Outbound TCP from the app goes to ztunnel's outbound port.
+    for &(_, lo, len) in &fams {
+        let m = vec![L4Proto(Proto::Tcp), not_loopback(lo, len), not_ztunnel()];
+        rules.push(rule(ISTIO_OUTPUT, m, Action::Redirect(OUTBOUND_PORT)));
+    }
+    TableSpec {
+        name: NAT_TABLE,
+        base: [
+            (PREROUTING, hook(ChainType::Nat, Hook::Prerouting, -100)),
+            (OUTPUT, hook(ChainType::Nat, Hook::Output, -100)),
+        ],
+        rules,
+    }
+}
+
+fn mangle_table() -> TableSpec {
+    let from_ztunnel = Match::MetaMark {
+        mask: MARK_MASK,
+        value: ZTUNNEL_MARK,
+        negate: false,
+    };
+    let connmarked = Match::CtMark {
+        mask: MARK_MASK,
+        value: CONNMARK,
+    };
+    TableSpec {
+        name: MANGLE_TABLE,
+        base: [
+            (PREROUTING, hook(ChainType::Filter, Hook::Prerouting, -150)),
+            (OUTPUT, hook(ChainType::Route, Hook::Output, -150)),
+        ],
+        rules: vec![
+            jump(PREROUTING, ISTIO_PREROUTING),
+            jump(OUTPUT, ISTIO_OUTPUT),
+            rule(
+                ISTIO_PREROUTING,
+                vec![from_ztunnel],
+                Action::CtMarkSet {
+                    keep: !MARK_MASK,
+                    set: CONNMARK,
+                },
+            ),
+            rule(ISTIO_OUTPUT, vec![connmarked], Action::MetaMarkFromCt),
+        ],
+    }
+}
+
+fn raw_table() -> TableSpec {
+    let mark = |negate| Match::MetaMark {
+        mask: MARK_MASK,
+        value: ZTUNNEL_MARK,
+        negate,
+    };
+    TableSpec {
+        name: RAW_TABLE,
+        base: [
+            (PREROUTING, hook(ChainType::Filter, Hook::Prerouting, -300)),
+            (OUTPUT, hook(ChainType::Filter, Hook::Output, -300)),
+        ],
+        rules: vec![
+            jump(PREROUTING, ISTIO_PREROUTING),
+            jump(OUTPUT, ISTIO_OUTPUT),
+            // ztunnel's upstream DNS queries and their answers live in their own conntrack zone,
+            // so they do not clash with the app's redirected DNS flows (istio#33469).
+            rule(
+                ISTIO_OUTPUT,
+                vec![port(Proto::Udp, Dir::Dst, DNS_PORT, false), mark(false)],
+                Action::CtZoneSet(DNS_CT_ZONE),
+            ),
+            rule(
+                ISTIO_PREROUTING,
+                vec![port(Proto::Udp, Dir::Src, DNS_PORT, false), mark(true)],
+                Action::CtZoneSet(DNS_CT_ZONE),
+            ),
+        ],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn commands_replace_each_table() {
+        let plan = RedirectPlan {
+            dns_capture: true,
+            ..RedirectPlan::default()
+        };
+        let cmds = commands(&plan);
+        let heads: Vec<String> = cmds
+            .iter()
+            .filter(|c| !matches!(c, Command::AddRule(_) | Command::AddChain(_)))
+            .map(ToString::to_string)
+            .collect();
+        let expected: Vec<String> = all_table_names()
+            .iter()
+            .flat_map(|t| {
+                [
+                    format!("add table inet {t}"),
+                    format!("delete table inet {t}"),
+                    format!("add table inet {t}"),
+                ]
+            })
+            .collect();
+        assert_eq!(heads, expected);
+    }
+}
