@@ -116,9 +116,9 @@ pub fn config_dump(admin: &Admin) -> serde_json::Value {
         .collect();
     json!({
         "version": env!("CARGO_PKG_VERSION"),
-        "workloads": state.dump_workloads(),
-        "services": state.dump_services(),
-        "policies": state.dump_policies(),
+        "workloads": state.workloads().collect::<Vec<_>>(),
+        "services": state.services().collect::<Vec<_>>(),
+        "policies": state.policies().collect::<Vec<_>>(),
         "certificates": certs,
         "workloadState": admin.proxies.status(),
         "enrolledPods": admin.pods.enrolled(),

@@ -116,12 +116,12 @@ impl ConnectionLog {
         match error {
             None => tracing::info!(
                 target: "access",
-                src.addr = %self.src,
-                src.identity = src_id.as_deref(),
-                dst.addr = %self.dst,
-                dst.hbone_addr = hbone.as_deref(),
-                dst.identity = dst_id.as_deref(),
                 direction = self.direction.as_str(),
+                "src.addr" = %self.src,
+                "src.identity" = src_id.as_deref(),
+                "dst.addr" = %self.dst,
+                "dst.hbone_addr" = hbone.as_deref(),
+                "dst.identity" = dst_id.as_deref(),
                 bytes_sent = bytes.sent,
                 bytes_recv = bytes.received,
                 duration = %duration,
@@ -129,12 +129,12 @@ impl ConnectionLog {
             ),
             Some(e) => tracing::error!(
                 target: "access",
-                src.addr = %self.src,
-                src.identity = src_id.as_deref(),
-                dst.addr = %self.dst,
-                dst.hbone_addr = hbone.as_deref(),
-                dst.identity = dst_id.as_deref(),
                 direction = self.direction.as_str(),
+                "src.addr" = %self.src,
+                "src.identity" = src_id.as_deref(),
+                "dst.addr" = %self.dst,
+                "dst.hbone_addr" = hbone.as_deref(),
+                "dst.identity" = dst_id.as_deref(),
                 bytes_sent = bytes.sent,
                 bytes_recv = bytes.received,
                 duration = %duration,
@@ -152,11 +152,11 @@ impl ConnectionLog {
         let dst_id = self.dst_identity.as_ref().map(ToString::to_string);
         tracing::warn!(
             target: "access",
-            src.addr = %self.src,
-            src.identity = src_id.as_deref(),
-            dst.addr = %self.dst,
-            dst.identity = dst_id.as_deref(),
             direction = self.direction.as_str(),
+            "src.addr" = %self.src,
+            "src.identity" = src_id.as_deref(),
+            "dst.addr" = %self.dst,
+            "dst.identity" = dst_id.as_deref(),
             error = %error,
             "connection failed"
         );

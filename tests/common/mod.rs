@@ -20,3 +20,4 @@ pub fn privileged(test: &str) -> bool {
 pub fn prefix(tag: &str) -> String {
     format!("{tag}{}", std::process::id() % 100_000)
 }
+pub mod node;
