@@ -2,4 +2,5 @@
 
 pub mod config;
 pub mod identity;
+pub mod state;
 pub mod tls;
