@@ -8,11 +8,11 @@
 //! log, and a capture on the bridge holds only TLS on port 15008 between the pods with no payload
 //! bytes in clear. Everything is removed at the end, on failure and on Ctrl-C.
 
-use std::io::{BufRead, Read, Write};
+use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::lab::{self, Lab, LabOptions};
@@ -112,7 +112,8 @@ fn run_inner(verbose: bool) -> anyhow::Result<()> {
     }
     cleanup_leftovers();
     let exe = std::env::current_exe().context("locate the ztnode binary")?;
-    let run_dir = std::env::temp_dir().join(format!("ztnode-demo-run-{}", std::process::id()));
+    // Inside the lab dir, which the lab removes when it is dropped.
+    let run_dir = std::env::temp_dir().join(format!("ztnode-lab-{PREFIX}")).join("run");
 
     step(1, "Building a throwaway node: node netns + CNI chain (bridge, host-local, ztnode-cni)");
     let lab = Lab::new(LabOptions {
@@ -182,13 +183,18 @@ fn run_inner(verbose: bool) -> anyhow::Result<()> {
     step(5, "Starting a capture on the bridge and an echo server in the server pod");
     let pcap = lab.dir().join("bridge.pcap");
     let mut dump = Command::new("ip");
-    dump.args(["netns", "exec", lab.node_name(), "tcpdump", "-i", &lab.bridge(), "-U", "-n", "-w"])
+    dump.args(["netns", "exec", lab.node_name(), "tcpdump", "--immediate-mode", "-i", &lab.bridge(), "-U", "-n", "-w"])
         .arg(&pcap)
         .arg("tcp")
         .stdout(Stdio::null())
-        .stderr(Stdio::piped());
-    let mut dump = track(dump.spawn().context("start tcpdump (install the tcpdump package)")?);
-    wait_for_tcpdump(&mut dump.0)?;
+        .stderr(std::fs::File::create(lab.dir().join("tcpdump.log"))?);
+    let dump = track(dump.spawn().context("start tcpdump (install the tcpdump package)")?);
+    let tcpdump_log = lab.dir().join("tcpdump.log");
+    wait_for(
+        || std::fs::read_to_string(&tcpdump_log).is_ok_and(|t| t.contains("listening on")),
+        Duration::from_secs(10),
+    )
+    .context("tcpdump did not start listening on the bridge")?;
     let server_ns = Netns::open(&server.netns_path)?;
     let listener = Lab::listen_in(&server_ns, SocketAddr::new(server_ip, APP_PORT))?;
     let echo = std::thread::spawn(move || -> std::io::Result<SocketAddr> {
@@ -227,7 +233,13 @@ fn run_inner(verbose: bool) -> anyhow::Result<()> {
         .iter()
         .filter(|s| (s.src == client_ip && s.dst == server_ip) || (s.src == server_ip && s.dst == client_ip))
         .collect();
-    anyhow::ensure!(!between.is_empty(), "the capture saw no packets between the pods");
+    anyhow::ensure!(
+        !between.is_empty(),
+        "the capture saw no packets between the pods ({} TCP segments, {} bytes in {})",
+        segs.len(),
+        data.len(),
+        pcap.display()
+    );
     let all_15008 = between.iter().all(|s| s.src_port == 15008 || s.dst_port == 15008);
     let clear = between.iter().any(|s| crate::pcap::contains(&s.payload, MESSAGE));
     let tls_records = between.iter().filter(|s| s.payload.starts_with(&[0x17, 0x03, 0x03])).count();
@@ -242,7 +254,6 @@ fn run_inner(verbose: bool) -> anyhow::Result<()> {
         bytes
     ));
     println!("\nCleaning up (CNI DEL, namespaces, processes)");
-    let _ = std::fs::remove_dir_all(&run_dir);
     Ok(())
 }
 
@@ -255,22 +266,6 @@ fn wait_for(mut cond: impl FnMut() -> bool, timeout: Duration) -> anyhow::Result
         std::thread::sleep(Duration::from_millis(50));
     }
     anyhow::bail!("timed out after {timeout:?}")
-}
-
-fn wait_for_tcpdump(child: &mut Child) -> anyhow::Result<()> {
-    let Some(stderr) = child.stderr.take() else {
-        return Ok(());
-    };
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
-            if line.contains("listening on") {
-                let _ = tx.send(());
-            }
-        }
-    });
-    rx.recv_timeout(Duration::from_secs(10))
-        .map_err(|_| anyhow::anyhow!("tcpdump did not start listening on the bridge"))
 }
 
 /// Reads "connection complete" access-log lines and returns a summary per direction with the
@@ -289,7 +284,6 @@ fn access_log_identities(log: &PathBuf, timeout: Duration) -> anyhow::Result<Vec
                 let dir = if l.contains("outbound") { "outbound (client side)" } else { "inbound (server side)" };
                 v.push(format!("access log {dir}: {}", ids.join(" ")));
             }
-            let _ = Arc::new(());
             return Ok(v);
         }
         if Instant::now() >= deadline {

@@ -38,7 +38,7 @@ fn pods_talk_over_hbone_with_identities_and_real_source_ip() {
 
     let pcap = node.lab.dir().join("e2e.pcap");
     let mut dump = Command::new("ip")
-        .args(["netns", "exec", node.lab.node_name(), "tcpdump", "-i", &node.lab.bridge(), "-U", "-n", "-w"])
+        .args(["netns", "exec", node.lab.node_name(), "tcpdump", "--immediate-mode", "-i", &node.lab.bridge(), "-U", "-n", "-w"])
         .arg(&pcap)
         .arg("tcp")
         .stdout(Stdio::null())
