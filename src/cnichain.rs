@@ -81,18 +81,29 @@ pub struct ChainRunner {
 impl ChainRunner {
     /// A runner for `conflist` with plugins looked up in `cni_path`; with `exec_netns` the plugins run
     /// inside that namespace (as if the runtime lived there).
-    pub fn new(conflist: Value, cni_path: Vec<PathBuf>, exec_netns: Option<Netns>) -> Result<Self, ChainError> {
+    pub fn new(
+        conflist: Value,
+        cni_path: Vec<PathBuf>,
+        exec_netns: Option<Netns>,
+    ) -> Result<Self, ChainError> {
         let plugins = conflist
             .get("plugins")
             .and_then(Value::as_array)
             .ok_or(ChainError::InvalidConflist("no plugins list"))?;
-        if plugins.iter().any(|p| p.get("type").and_then(Value::as_str).is_none()) {
+        if plugins
+            .iter()
+            .any(|p| p.get("type").and_then(Value::as_str).is_none())
+        {
             return Err(ChainError::InvalidConflist("plugin without type"));
         }
         if conflist.get("name").and_then(Value::as_str).is_none() {
             return Err(ChainError::InvalidConflist("no name"));
         }
-        Ok(ChainRunner { conflist, cni_path, exec_netns })
+        Ok(ChainRunner {
+            conflist,
+            cni_path,
+            exec_netns,
+        })
     }
 
     fn plugins(&self) -> &[Value] {
@@ -104,7 +115,10 @@ impl ChainRunner {
     }
 
     fn version(&self) -> &str {
-        self.conflist.get("cniVersion").and_then(Value::as_str).unwrap_or("0.4.0")
+        self.conflist
+            .get("cniVersion")
+            .and_then(Value::as_str)
+            .unwrap_or("0.4.0")
     }
 
     /// CNI ADD through the whole chain; returns the final result.
@@ -144,20 +158,35 @@ impl ChainRunner {
             .ok_or_else(|| ChainError::PluginNotFound(ty.to_owned(), self.cni_path.clone()))
     }
 
-    fn exec(&self, plugin: &Value, verb: &str, att: &Attachment, prev: Option<&Value>) -> Result<Option<Value>, ChainError> {
+    fn exec(
+        &self,
+        plugin: &Value,
+        verb: &str,
+        att: &Attachment,
+        prev: Option<&Value>,
+    ) -> Result<Option<Value>, ChainError> {
         let ty = plugin_type(plugin);
         let bin = self.find(&ty)?;
         let mut conf: Map<String, Value> = plugin.as_object().cloned().unwrap_or_default();
         conf.insert("name".into(), self.conflist["name"].clone());
-        conf.insert("cniVersion".into(), Value::String(self.version().to_owned()));
+        conf.insert(
+            "cniVersion".into(),
+            Value::String(self.version().to_owned()),
+        );
         if let Some(p) = prev {
             conf.insert("prevResult".into(), p.clone());
         }
-        let stdin = serde_json::to_vec(&Value::Object(conf)).map_err(|source| ChainError::BadOutput {
-            plugin: ty.clone(),
-            source,
-        })?;
-        let args = att.args.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(";");
+        let stdin =
+            serde_json::to_vec(&Value::Object(conf)).map_err(|source| ChainError::BadOutput {
+                plugin: ty.clone(),
+                source,
+            })?;
+        let args = att
+            .args
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(";");
         let path = std::env::join_paths(&self.cni_path).unwrap_or_default();
         let run = || -> std::io::Result<std::process::Output> {
             let mut child = Command::new(&bin)
@@ -182,7 +211,10 @@ impl ChainRunner {
             Some(ns) => ns.run(run)?,
             None => run(),
         }
-        .map_err(|source| ChainError::Exec { plugin: ty.clone(), source })?;
+        .map_err(|source| ChainError::Exec {
+            plugin: ty.clone(),
+            source,
+        })?;
         if !output.status.success() {
             return Err(ChainError::PluginFailed {
                 plugin: ty,
@@ -205,7 +237,11 @@ impl ChainRunner {
 }
 
 fn plugin_type(plugin: &Value) -> String {
-    plugin.get("type").and_then(Value::as_str).unwrap_or_default().to_owned()
+    plugin
+        .get("type")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_owned()
 }
 
 /// Directories where Debian and upstream install the reference CNI plugins.

@@ -80,7 +80,10 @@ fn track(child: Child) -> ChildGuard {
 
 fn install_interrupt_cleanup() {
     std::thread::spawn(|| {
-        let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else {
+        let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        else {
             return;
         };
         rt.block_on(async {
@@ -89,7 +92,10 @@ fn install_interrupt_cleanup() {
         eprintln!("\ninterrupted: cleaning up");
         if let Ok(c) = CHILDREN.lock() {
             for pid in c.iter() {
-                let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(*pid as i32), nix::sys::signal::Signal::SIGKILL);
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(*pid as i32),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
             }
         }
         cleanup_leftovers();
@@ -100,7 +106,9 @@ fn install_interrupt_cleanup() {
 /// Deletes every netns and dir a (possibly interrupted) demo run can leave.
 fn cleanup_leftovers() {
     for name in ["client", "server", "node"] {
-        let _ = Command::new("ip").args(["netns", "del", &format!("{PREFIX}-{name}")]).output();
+        let _ = Command::new("ip")
+            .args(["netns", "del", &format!("{PREFIX}-{name}")])
+            .output();
     }
     let _ = std::fs::remove_dir_all(std::env::temp_dir().join(format!("ztnode-lab-{PREFIX}")));
 }
@@ -113,9 +121,14 @@ fn run_inner(verbose: bool) -> anyhow::Result<()> {
     cleanup_leftovers();
     let exe = std::env::current_exe().context("locate the ztnode binary")?;
     // Inside the lab dir, which the lab removes when it is dropped.
-    let run_dir = std::env::temp_dir().join(format!("ztnode-lab-{PREFIX}")).join("run");
+    let run_dir = std::env::temp_dir()
+        .join(format!("ztnode-lab-{PREFIX}"))
+        .join("run");
 
-    step(1, "Building a throwaway node: node netns + CNI chain (bridge, host-local, ztnode-cni)");
+    step(
+        1,
+        "Building a throwaway node: node netns + CNI chain (bridge, host-local, ztnode-cni)",
+    );
     let lab = Lab::new(LabOptions {
         prefix: PREFIX.into(),
         ztnode_binary: Some(exe.clone()),
@@ -123,15 +136,28 @@ fn run_inner(verbose: bool) -> anyhow::Result<()> {
         subnet: SUBNET.into(),
         cni_version: "1.0.0".into(),
     })?;
-    ok(format!("node netns {} with CNI bin dir {}", lab.node_name(), lab.dir().join("bin").display()));
+    ok(format!(
+        "node netns {} with CNI bin dir {}",
+        lab.node_name(),
+        lab.dir().join("bin").display()
+    ));
 
-    step(2, "Starting `ztnode node` (agent + proxy) inside the node netns");
+    step(
+        2,
+        "Starting `ztnode node` (agent + proxy) inside the node netns",
+    );
     let client_ip: IpAddr = CLIENT_IP.parse()?;
     let server_ip: IpAddr = SERVER_IP.parse()?;
     let config_path = lab.dir().join("local-config.yaml");
     std::fs::write(
         &config_path,
-        lab::local_config(PREFIX, &[("client", "default", "client", client_ip), ("server", "default", "server", server_ip)]),
+        lab::local_config(
+            PREFIX,
+            &[
+                ("client", "default", "client", client_ip),
+                ("server", "default", "server", server_ip),
+            ],
+        ),
     )?;
     let log_path = lab.dir().join("ztnode-node.log");
     let log = std::fs::File::create(&log_path)?;
@@ -151,25 +177,57 @@ fn run_inner(verbose: bool) -> anyhow::Result<()> {
     std::fs::create_dir_all(lab.dir().join("host-bin"))?;
     std::fs::create_dir_all(lab.dir().join("host-net.d"))?;
     let _node = track(lab.spawn_in_node(cmd)?);
-    wait_for(|| run_dir.join("pluginevent.sock").exists(), Duration::from_secs(10))
-        .context("ztnode node did not open its plugin socket (see the node log)")?;
-    ok(format!("plugin socket {}", run_dir.join("pluginevent.sock").display()));
+    wait_for(
+        || run_dir.join("pluginevent.sock").exists(),
+        Duration::from_secs(10),
+    )
+    .context("ztnode node did not open its plugin socket (see the node log)")?;
+    ok(format!(
+        "plugin socket {}",
+        run_dir.join("pluginevent.sock").display()
+    ));
     ok(format!("node log {}", log_path.display()));
 
-    step(3, "Adding pods through the CNI chain (the plugin tells the agent, the agent enrolls them)");
+    step(
+        3,
+        "Adding pods through the CNI chain (the plugin tells the agent, the agent enrolls them)",
+    );
     let client = lab.add_pod("client", "default")?;
     let server = lab.add_pod("server", "default")?;
-    anyhow::ensure!(client.ip == client_ip && server.ip == server_ip, "unexpected pod IPs {} {}", client.ip, server.ip);
-    ok(format!("pod default/client {} (service account client)", client.ip));
-    ok(format!("pod default/server {} (service account server)", server.ip));
+    anyhow::ensure!(
+        client.ip == client_ip && server.ip == server_ip,
+        "unexpected pod IPs {} {}",
+        client.ip,
+        server.ip
+    );
+    ok(format!(
+        "pod default/client {} (service account client)",
+        client.ip
+    ));
+    ok(format!(
+        "pod default/server {} (service account server)",
+        server.ip
+    ));
 
     step(4, "Checking the redirection rules inside the client pod");
-    let rules = Command::new("ip").args(["netns", "exec", &client.netns_name, "nft", "list", "ruleset"]).output();
+    let rules = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &client.netns_name,
+            "nft",
+            "list",
+            "ruleset",
+        ])
+        .output();
     match rules {
         Ok(out) => {
             let text = String::from_utf8_lossy(&out.stdout);
             let tables: Vec<_> = text.lines().filter(|l| l.starts_with("table")).collect();
-            anyhow::ensure!(text.contains("redirect to :15001"), "no outbound redirect in the client pod");
+            anyhow::ensure!(
+                text.contains("redirect to :15001"),
+                "no outbound redirect in the client pod"
+            );
             for t in tables {
                 ok(t.trim_end_matches(" {").to_string());
             }
@@ -180,15 +238,32 @@ fn run_inner(verbose: bool) -> anyhow::Result<()> {
         Err(e) => println!("      (nft not available to show the rules: {e})"),
     }
 
-    step(5, "Starting a capture on the bridge and an echo server in the server pod");
+    step(
+        5,
+        "Starting a capture on the bridge and an echo server in the server pod",
+    );
     let pcap = lab.dir().join("bridge.pcap");
     let mut dump = Command::new("ip");
-    dump.args(["netns", "exec", lab.node_name(), "tcpdump", "--immediate-mode", "-i", &lab.bridge(), "-U", "-n", "-w"])
-        .arg(&pcap)
-        .arg("tcp")
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(lab.dir().join("tcpdump.log"))?);
-    let dump = track(dump.spawn().context("start tcpdump (install the tcpdump package)")?);
+    dump.args([
+        "netns",
+        "exec",
+        lab.node_name(),
+        "tcpdump",
+        "--immediate-mode",
+        "-i",
+        &lab.bridge(),
+        "-U",
+        "-n",
+        "-w",
+    ])
+    .arg(&pcap)
+    .arg("tcp")
+    .stdout(Stdio::null())
+    .stderr(std::fs::File::create(lab.dir().join("tcpdump.log"))?);
+    let dump = track(
+        dump.spawn()
+            .context("start tcpdump (install the tcpdump package)")?,
+    );
     let tcpdump_log = lab.dir().join("tcpdump.log");
     wait_for(
         || std::fs::read_to_string(&tcpdump_log).is_ok_and(|t| t.contains("listening on")),
@@ -215,10 +290,19 @@ fn run_inner(verbose: bool) -> anyhow::Result<()> {
     conn.read_exact(&mut back).context("read the echo")?;
     anyhow::ensure!(back == MESSAGE, "echo differs");
     drop(conn);
-    let seen = echo.join().map_err(|_| anyhow::anyhow!("echo thread panicked"))??;
+    let seen = echo
+        .join()
+        .map_err(|_| anyhow::anyhow!("echo thread panicked"))??;
     ok(format!("sent {} bytes, got them back", MESSAGE.len()));
-    anyhow::ensure!(seen.ip() == client_ip, "the server saw {} instead of the client's IP", seen.ip());
-    ok(format!("the server app saw the connection from {} (the client's real IP)", seen.ip()));
+    anyhow::ensure!(
+        seen.ip() == client_ip,
+        "the server saw {} instead of the client's IP",
+        seen.ip()
+    );
+    ok(format!(
+        "the server app saw the connection from {} (the client's real IP)",
+        seen.ip()
+    ));
 
     step(7, "Evidence");
     std::thread::sleep(Duration::from_millis(500));
@@ -231,7 +315,9 @@ fn run_inner(verbose: bool) -> anyhow::Result<()> {
     let segs = crate::pcap::tcp_segments(&data)?;
     let between: Vec<_> = segs
         .iter()
-        .filter(|s| (s.src == client_ip && s.dst == server_ip) || (s.src == server_ip && s.dst == client_ip))
+        .filter(|s| {
+            (s.src == client_ip && s.dst == server_ip) || (s.src == server_ip && s.dst == client_ip)
+        })
         .collect();
     anyhow::ensure!(
         !between.is_empty(),
@@ -240,13 +326,26 @@ fn run_inner(verbose: bool) -> anyhow::Result<()> {
         data.len(),
         pcap.display()
     );
-    let all_15008 = between.iter().all(|s| s.src_port == 15008 || s.dst_port == 15008);
-    let clear = between.iter().any(|s| crate::pcap::contains(&s.payload, MESSAGE));
-    let tls_records = between.iter().filter(|s| s.payload.starts_with(&[0x17, 0x03, 0x03])).count();
+    let all_15008 = between
+        .iter()
+        .all(|s| s.src_port == 15008 || s.dst_port == 15008);
+    let clear = between
+        .iter()
+        .any(|s| crate::pcap::contains(&s.payload, MESSAGE));
+    let tls_records = between
+        .iter()
+        .filter(|s| s.payload.starts_with(&[0x17, 0x03, 0x03]))
+        .count();
     let bytes: usize = between.iter().map(|s| s.payload.len()).sum();
-    anyhow::ensure!(all_15008, "some packets between the pods did not use port 15008");
+    anyhow::ensure!(
+        all_15008,
+        "some packets between the pods did not use port 15008"
+    );
     anyhow::ensure!(!clear, "the message crossed the bridge in clear text");
-    anyhow::ensure!(tls_records > 0, "no TLS application-data records on the bridge");
+    anyhow::ensure!(
+        tls_records > 0,
+        "no TLS application-data records on the bridge"
+    );
     ok(format!(
         "bridge capture: {} TCP segments between the pods, all on port 15008, {} TLS records, {} payload bytes, message not visible in clear",
         between.len(),
@@ -274,20 +373,38 @@ fn access_log_identities(log: &PathBuf, timeout: Duration) -> anyhow::Result<Vec
     let deadline = Instant::now() + timeout;
     loop {
         let text = std::fs::read_to_string(log).unwrap_or_default();
-        let lines: Vec<_> = text.lines().filter(|l| l.contains("connection complete") && l.contains("spiffe://")).collect();
-        let out = lines.iter().any(|l| l.contains("direction=\"outbound\"") || l.contains("direction=outbound"));
-        let inb = lines.iter().any(|l| l.contains("direction=\"inbound\"") || l.contains("direction=inbound"));
+        let lines: Vec<_> = text
+            .lines()
+            .filter(|l| l.contains("connection complete") && l.contains("spiffe://"))
+            .collect();
+        let out = lines
+            .iter()
+            .any(|l| l.contains("direction=\"outbound\"") || l.contains("direction=outbound"));
+        let inb = lines
+            .iter()
+            .any(|l| l.contains("direction=\"inbound\"") || l.contains("direction=inbound"));
         if out && inb {
             let mut v = Vec::new();
             for l in lines {
-                let ids: Vec<_> = l.split_whitespace().filter(|w| w.contains("identity=")).map(|w| w.replace('"', "")).collect();
-                let dir = if l.contains("outbound") { "outbound (client side)" } else { "inbound (server side)" };
+                let ids: Vec<_> = l
+                    .split_whitespace()
+                    .filter(|w| w.contains("identity="))
+                    .map(|w| w.replace('"', ""))
+                    .collect();
+                let dir = if l.contains("outbound") {
+                    "outbound (client side)"
+                } else {
+                    "inbound (server side)"
+                };
                 v.push(format!("access log {dir}: {}", ids.join(" ")));
             }
             return Ok(v);
         }
         if Instant::now() >= deadline {
-            anyhow::bail!("no access-log lines with both SPIFFE IDs in {}", log.display());
+            anyhow::bail!(
+                "no access-log lines with both SPIFFE IDs in {}",
+                log.display()
+            );
         }
         std::thread::sleep(Duration::from_millis(100));
     }

@@ -95,10 +95,13 @@ pub struct Lab {
 }
 
 fn ip(args: &[&str]) -> Result<(), LabError> {
-    let out = Command::new("ip").args(args).output().map_err(|source| LabError::Io {
-        what: "run ip".into(),
-        source,
-    })?;
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|source| LabError::Io {
+            what: "run ip".into(),
+            source,
+        })?;
     if !out.status.success() {
         return Err(LabError::Ip {
             args: args.join(" "),
@@ -116,7 +119,8 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> LabError {
 impl Lab {
     /// Creates the node netns, the lab dir (`/tmp/ztnode-lab-<prefix>`) and the CNI bin dir.
     pub fn new(opts: LabOptions) -> Result<Lab, LabError> {
-        let plugins = crate::cnichain::find_reference_plugins().ok_or(LabError::NoReferencePlugins)?;
+        let plugins =
+            crate::cnichain::find_reference_plugins().ok_or(LabError::NoReferencePlugins)?;
         let dir = std::env::temp_dir().join(format!("ztnode-lab-{}", opts.prefix));
         let _ = std::fs::remove_dir_all(&dir);
         let bin = dir.join("bin");
@@ -124,7 +128,8 @@ impl Lab {
         for p in ["bridge", "host-local", "loopback"] {
             let target = plugins.join(p);
             if target.is_file() {
-                std::os::unix::fs::symlink(&target, bin.join(p)).map_err(io(format!("link {p}")))?;
+                std::os::unix::fs::symlink(&target, bin.join(p))
+                    .map_err(io(format!("link {p}")))?;
             }
         }
         let mut plugin_list = vec![json!({
@@ -159,7 +164,14 @@ impl Lab {
         ip(&["netns", "add", &node_name])?;
         let node = Netns::open(format!("/var/run/netns/{node_name}"))?;
         let runner = ChainRunner::new(conflist, vec![bin], Some(node.clone()))?;
-        let lab = Lab { opts, dir, node_name, node, runner, pods: Default::default() };
+        let lab = Lab {
+            opts,
+            dir,
+            node_name,
+            node,
+            runner,
+            pods: Default::default(),
+        };
         ip(&["-n", &lab.node_name, "link", "set", "lo", "up"])?;
         Ok(lab)
     }
@@ -195,7 +207,11 @@ impl Lab {
         let _ = ip(&["netns", "del", &netns_name]);
         ip(&["netns", "add", &netns_name])?;
         ip(&["-n", &netns_name, "link", "set", "lo", "up"])?;
-        let uid = format!("{:08x}-0000-4000-8000-{:012x}", std::process::id(), fxhash(&netns_name));
+        let uid = format!(
+            "{:08x}-0000-4000-8000-{:012x}",
+            std::process::id(),
+            fxhash(&netns_name)
+        );
         let netns_path = PathBuf::from(format!("/var/run/netns/{netns_name}"));
         let att = self.attachment(&netns_name, &netns_path, name, namespace, &uid);
         let result = match self.runner.add(&att) {
@@ -214,7 +230,9 @@ impl Lab {
             .and_then(Value::as_str)
             .and_then(|a| a.split('/').next())
             .and_then(|a| a.parse().ok())
-            .ok_or(LabError::Chain(ChainError::InvalidConflist("ADD result has no IP")))?;
+            .ok_or(LabError::Chain(ChainError::InvalidConflist(
+                "ADD result has no IP",
+            )))?;
         let pod = Pod {
             name: name.into(),
             namespace: namespace.into(),
@@ -230,7 +248,14 @@ impl Lab {
         Ok(pod)
     }
 
-    fn attachment(&self, container_id: &str, netns: &Path, name: &str, namespace: &str, uid: &str) -> Attachment {
+    fn attachment(
+        &self,
+        container_id: &str,
+        netns: &Path,
+        name: &str,
+        namespace: &str,
+        uid: &str,
+    ) -> Attachment {
         Attachment {
             container_id: container_id.to_owned(),
             netns: netns.to_owned(),
@@ -247,7 +272,13 @@ impl Lab {
 
     /// Runs CNI DEL for `pod` (keeps its netns).
     pub fn cni_del(&self, pod: &Pod) -> Result<(), LabError> {
-        let att = self.attachment(&pod.netns_name, &pod.netns_path, &pod.name, &pod.namespace, &pod.uid);
+        let att = self.attachment(
+            &pod.netns_name,
+            &pod.netns_path,
+            &pod.name,
+            &pod.namespace,
+            &pod.uid,
+        );
         Ok(self.runner.del(&att, Some(&pod.result))?)
     }
 
@@ -282,7 +313,9 @@ impl Drop for Lab {
 
 /// Small stable hash for making unique-looking UIDs.
 fn fxhash(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3)) & 0xffff_ffff_ffff
+    s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    }) & 0xffff_ffff_ffff
 }
 
 impl Lab {
@@ -294,14 +327,22 @@ impl Lab {
     }
 
     /// Connects from inside `netns` to `addr` (blocking std stream; it stays in that namespace).
-    pub fn connect_from(netns: &Netns, addr: std::net::SocketAddr) -> Result<std::net::TcpStream, LabError> {
+    pub fn connect_from(
+        netns: &Netns,
+        addr: std::net::SocketAddr,
+    ) -> Result<std::net::TcpStream, LabError> {
         netns
-            .run(move || std::net::TcpStream::connect_timeout(&addr, std::time::Duration::from_secs(5)))?
+            .run(move || {
+                std::net::TcpStream::connect_timeout(&addr, std::time::Duration::from_secs(5))
+            })?
             .map_err(io(format!("connect to {addr}")))
     }
 
     /// Binds a listener inside `netns`.
-    pub fn listen_in(netns: &Netns, addr: std::net::SocketAddr) -> Result<std::net::TcpListener, LabError> {
+    pub fn listen_in(
+        netns: &Netns,
+        addr: std::net::SocketAddr,
+    ) -> Result<std::net::TcpListener, LabError> {
         netns
             .run(move || std::net::TcpListener::bind(addr))?
             .map_err(io(format!("listen on {addr}")))

@@ -5,14 +5,14 @@
 //! Shared bottom modules ([`netns`], [`podevent`], [`zds`], [`nft`]) never import a role.
 
 pub mod agent;
+pub mod cnichain;
+pub mod demo;
+pub mod lab;
 pub mod netns;
 pub mod nft;
+pub mod node;
+pub mod pcap;
 pub mod plugin;
 pub mod podevent;
 pub mod proxy;
 pub mod zds;
-pub mod cnichain;
-pub mod lab;
-pub mod node;
-pub mod pcap;
-pub mod demo;

@@ -103,7 +103,10 @@ fn init_tracing() {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,netlink_packet_route=error"));
     let json = std::env::var("LOG_FORMAT").is_ok_and(|v| v == "json");
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let b = tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(std::io::stderr);
+    let b = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(ansi)
+        .with_writer(std::io::stderr);
     if json {
         b.json().init();
     } else {
@@ -195,7 +198,11 @@ fn run(cmd: Cmd) -> anyhow::Result<i32> {
                 ca_dir,
                 cert_lifetime: Duration::from_secs(cert_lifetime_secs),
                 packet_mark,
-                redirect: ztnode::agent::redirect::RedirectPlan { ipv6, dns_capture, ..Default::default() },
+                redirect: ztnode::agent::redirect::RedirectPlan {
+                    ipv6,
+                    dns_capture,
+                    ..Default::default()
+                },
                 admin_addr,
                 readiness_addr,
                 metrics_addr,

@@ -57,17 +57,29 @@ pub struct NodeConfig {
 }
 
 /// Runs the node until `shutdown` resolves.
-pub async fn run(cfg: NodeConfig, shutdown: impl std::future::Future<Output = ()>) -> anyhow::Result<()> {
+pub async fn run(
+    cfg: NodeConfig,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> anyhow::Result<()> {
     tracing::info!(?cfg, "starting ztnode node");
     let state = StateHandle::new(state::load_config_file(&cfg.config).context("local config")?);
-    tokio::spawn(state::watch_config_file(cfg.config.clone(), state.clone(), Duration::from_secs(1)));
+    tokio::spawn(state::watch_config_file(
+        cfg.config.clone(),
+        state.clone(),
+        Duration::from_secs(1),
+    ));
 
     let ca_dir = cfg.ca_dir.clone().unwrap_or_else(|| cfg.run_dir.join("ca"));
     let ca = Ca::load_or_generate(Some(&ca_dir)).context("built-in CA")?;
     let certs = CertManager::new(ca, cfg.cert_lifetime);
     tracing::info!(dir = %ca_dir.display(), "built-in CA ready (root-cert.pem)");
 
-    let ctx = Arc::new(ProxyContext { state: state.clone(), certs, metrics: Metrics::default(), mark: cfg.packet_mark });
+    let ctx = Arc::new(ProxyContext {
+        state: state.clone(),
+        certs,
+        metrics: Metrics::default(),
+        mark: cfg.packet_mark,
+    });
     let proxies = ProxyManager::new(ctx);
     let (zds_client, zds_rx) = zds::channel();
     tokio::spawn(proxies.clone().run(zds_rx));
@@ -92,7 +104,11 @@ pub async fn run(cfg: NodeConfig, shutdown: impl std::future::Future<Output = ()
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
     };
-    let server_task = tokio::spawn(server::serve(listener, pods.clone(), stopped(stop_rx.clone())));
+    let server_task = tokio::spawn(server::serve(
+        listener,
+        pods.clone(),
+        stopped(stop_rx.clone()),
+    ));
     tracing::info!(socket = %sock_path.display(), "plugin event socket ready");
 
     if cfg.install {
@@ -111,8 +127,19 @@ pub async fn run(cfg: NodeConfig, shutdown: impl std::future::Future<Output = ()
         tokio::spawn(install::watch_and_repair(icfg, stopped(stop_rx.clone())));
     }
 
-    let admin = admin::Admin { state, proxies: proxies.clone(), pods: pods.clone() };
-    admin::spawn(admin, cfg.admin_addr, cfg.readiness_addr, cfg.metrics_addr, stop_rx.clone()).await?;
+    let admin = admin::Admin {
+        state,
+        proxies: proxies.clone(),
+        pods: pods.clone(),
+    };
+    admin::spawn(
+        admin,
+        cfg.admin_addr,
+        cfg.readiness_addr,
+        cfg.metrics_addr,
+        stop_rx.clone(),
+    )
+    .await?;
 
     shutdown.await;
     tracing::info!("shutting down");

@@ -42,7 +42,11 @@ pub fn tcp_segments(data: &[u8]) -> Result<Vec<TcpSegment>, PcapError> {
     };
     let u32_at = |b: &[u8], i: usize| -> u32 {
         let a = [b[i], b[i + 1], b[i + 2], b[i + 3]];
-        if le { u32::from_le_bytes(a) } else { u32::from_be_bytes(a) }
+        if le {
+            u32::from_le_bytes(a)
+        } else {
+            u32::from_be_bytes(a)
+        }
     };
     let link = u32_at(data, 20);
     let l2 = match link {
@@ -76,13 +80,23 @@ fn parse_frame(frame: &[u8], l2: usize) -> Option<TcpSegment> {
             let total = u16::from_be_bytes([*ip.get(2)?, *ip.get(3)?]) as usize;
             let src: [u8; 4] = ip.get(12..16)?.try_into().ok()?;
             let dst: [u8; 4] = ip.get(16..20)?.try_into().ok()?;
-            (IpAddr::from(src), IpAddr::from(dst), *ip.get(9)?, ip.get(ihl..total.min(ip.len()))?)
+            (
+                IpAddr::from(src),
+                IpAddr::from(dst),
+                *ip.get(9)?,
+                ip.get(ihl..total.min(ip.len()))?,
+            )
         }
         0x86dd => {
             let plen = u16::from_be_bytes([*ip.get(4)?, *ip.get(5)?]) as usize;
             let src: [u8; 16] = ip.get(8..24)?.try_into().ok()?;
             let dst: [u8; 16] = ip.get(24..40)?.try_into().ok()?;
-            (IpAddr::from(src), IpAddr::from(dst), *ip.get(6)?, ip.get(40..(40 + plen).min(ip.len()))?)
+            (
+                IpAddr::from(src),
+                IpAddr::from(dst),
+                *ip.get(6)?,
+                ip.get(40..(40 + plen).min(ip.len()))?,
+            )
         }
         _ => return None,
     };
@@ -119,7 +133,9 @@ mod tests {
         let mut frame = vec![0u8; 12];
         frame.extend_from_slice(&[0x08, 0x00]);
         let payload = b"hi";
-        let mut ip = vec![0x45, 0, 0, 0, 0, 0, 0, 0, 64, 6, 0, 0, 10, 0, 0, 2, 10, 0, 0, 3];
+        let mut ip = vec![
+            0x45, 0, 0, 0, 0, 0, 0, 0, 64, 6, 0, 0, 10, 0, 0, 2, 10, 0, 0, 3,
+        ];
         let total = (20 + 20 + payload.len()) as u16;
         ip[2..4].copy_from_slice(&total.to_be_bytes());
         let mut tcp = vec![0u8; 20];

@@ -112,7 +112,10 @@ mod tests {
         let body = r#"{"Netns":"/var/run/netns/x","PodName":"a","PodNamespace":"default",
             "IPs":[{"Interface":1,"Address":{"IP":"10.0.0.2","Mask":"////AA=="},"Gateway":"10.0.0.1"}]}"#;
         let ev: PodAddEvent = serde_json::from_str(body).expect("istio body parses");
-        assert_eq!(ev.ips[0].address.ip, "10.0.0.2".parse::<IpAddr>().expect("ip"));
+        assert_eq!(
+            ev.ips[0].address.ip,
+            "10.0.0.2".parse::<IpAddr>().expect("ip")
+        );
         assert_eq!(ev.pod_uid, "");
     }
 }

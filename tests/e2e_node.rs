@@ -32,13 +32,30 @@ fn pods_talk_over_hbone_with_identities_and_real_source_ip() {
     // enrollment: rules in both mesh pods, none in the outsider
     for pod in [&node.client, &node.server] {
         let rules = MeshNode::ruleset(pod);
-        assert!(rules.contains("redirect to :15001") && rules.contains("redirect to :15006"), "{rules}");
+        assert!(
+            rules.contains("redirect to :15001") && rules.contains("redirect to :15006"),
+            "{rules}"
+        );
     }
-    assert!(!MeshNode::ruleset(&node.outsider).contains("istio-ambient"), "outsider must not be enrolled");
+    assert!(
+        !MeshNode::ruleset(&node.outsider).contains("istio-ambient"),
+        "outsider must not be enrolled"
+    );
 
     let pcap = node.lab.dir().join("e2e.pcap");
     let mut dump = Command::new("ip")
-        .args(["netns", "exec", node.lab.node_name(), "tcpdump", "--immediate-mode", "-i", &node.lab.bridge(), "-U", "-n", "-w"])
+        .args([
+            "netns",
+            "exec",
+            node.lab.node_name(),
+            "tcpdump",
+            "--immediate-mode",
+            "-i",
+            &node.lab.bridge(),
+            "-U",
+            "-n",
+            "-w",
+        ])
         .arg(&pcap)
         .arg("tcp")
         .stdout(Stdio::null())
@@ -60,29 +77,68 @@ fn pods_talk_over_hbone_with_identities_and_real_source_ip() {
     assert_eq!(back, secret);
     let (got, peer) = echo.join().expect("echo thread");
     assert_eq!(got, secret);
-    assert_eq!(peer.ip(), node.client.ip, "the app must see the client's real IP");
+    assert_eq!(
+        peer.ip(),
+        node.client.ip,
+        "the app must see the client's real IP"
+    );
 
-    let out = node.wait_log(&["connection complete", "direction=\"outbound\""], Duration::from_secs(5));
-    let inb = node.wait_log(&["connection complete", "direction=\"inbound\""], Duration::from_secs(5));
+    let out = node.wait_log(
+        &["connection complete", "direction=\"outbound\""],
+        Duration::from_secs(5),
+    );
+    let inb = node.wait_log(
+        &["connection complete", "direction=\"inbound\""],
+        Duration::from_secs(5),
+    );
     for line in [&out, &inb] {
-        assert!(line.contains("spiffe://cluster.local/ns/default/sa/alice"), "{line}");
-        assert!(line.contains("spiffe://cluster.local/ns/default/sa/bob"), "{line}");
+        assert!(
+            line.contains("spiffe://cluster.local/ns/default/sa/alice"),
+            "{line}"
+        );
+        assert!(
+            line.contains("spiffe://cluster.local/ns/default/sa/bob"),
+            "{line}"
+        );
     }
-    assert!(inb.contains(&format!("src.addr={}", node.client.ip)), "{inb}");
+    assert!(
+        inb.contains(&format!("src.addr={}", node.client.ip)),
+        "{inb}"
+    );
 
     std::thread::sleep(Duration::from_millis(500));
-    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(dump.id() as i32), nix::sys::signal::Signal::SIGTERM);
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(dump.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    );
     let _ = dump.wait();
     let data = std::fs::read(&pcap).expect("pcap");
     let segs = ztnode::pcap::tcp_segments(&data).expect("parse pcap");
     let between: Vec<_> = segs
         .iter()
-        .filter(|s| [s.src, s.dst].contains(&node.client.ip) && [s.src, s.dst].contains(&node.server.ip))
+        .filter(|s| {
+            [s.src, s.dst].contains(&node.client.ip) && [s.src, s.dst].contains(&node.server.ip)
+        })
         .collect();
     assert!(!between.is_empty(), "capture saw nothing between the pods");
-    assert!(between.iter().all(|s| s.src_port == 15008 || s.dst_port == 15008), "non-HBONE packets between pods");
-    assert!(!between.iter().any(|s| ztnode::pcap::contains(&s.payload, secret)), "payload crossed in clear");
-    assert!(between.iter().any(|s| s.payload.starts_with(&[0x17, 0x03, 0x03])), "no TLS records");
+    assert!(
+        between
+            .iter()
+            .all(|s| s.src_port == 15008 || s.dst_port == 15008),
+        "non-HBONE packets between pods"
+    );
+    assert!(
+        !between
+            .iter()
+            .any(|s| ztnode::pcap::contains(&s.payload, secret)),
+        "payload crossed in clear"
+    );
+    assert!(
+        between
+            .iter()
+            .any(|s| s.payload.starts_with(&[0x17, 0x03, 0x03])),
+        "no TLS records"
+    );
 
     // CNI DEL removes the rules; a second DEL succeeds
     node.lab.cni_del(&node.client).expect("DEL");
@@ -161,7 +217,8 @@ fn gigabyte_transfer_and_200_concurrent_connections() {
         })
         .collect();
     for (i, mut s) in conns {
-        s.set_read_timeout(Some(Duration::from_secs(20))).expect("timeout");
+        s.set_read_timeout(Some(Duration::from_secs(20)))
+            .expect("timeout");
         let mut buf = [0u8; 4];
         s.read_exact(&mut buf).expect("read echo");
         assert_eq!(u32::from_be_bytes(buf), i);
@@ -176,11 +233,16 @@ fn destination_without_listener_closes_the_client() {
     }
     let node = MeshNode::start(&common::prefix("e2c"));
     let client_ns = Netns::open(&node.client.netns_path).expect("client netns");
-    let mut c = Lab::connect_from(&client_ns, SocketAddr::new(node.server.ip, 9999)).expect("connect to local proxy");
-    c.set_read_timeout(Some(Duration::from_secs(15))).expect("timeout");
+    let mut c = Lab::connect_from(&client_ns, SocketAddr::new(node.server.ip, 9999))
+        .expect("connect to local proxy");
+    c.set_read_timeout(Some(Duration::from_secs(15)))
+        .expect("timeout");
     let mut buf = [0u8; 16];
     let r = c.read(&mut buf);
-    assert!(matches!(r, Ok(0)) || r.is_err(), "connection must be closed, got {r:?}");
+    assert!(
+        matches!(r, Ok(0)) || r.is_err(),
+        "connection must be closed, got {r:?}"
+    );
     node.wait_log(&["connection failed", "503"], Duration::from_secs(5));
     let _: IpAddr = node.server.ip;
 }

@@ -96,13 +96,26 @@ pub struct PodManager {
 
 impl PodManager {
     /// A manager that enrolls by `policy`, redirects with `plan` and hands pods to the proxy via `zds`.
-    pub fn new(policy: Arc<dyn EnrollmentPolicy>, zds: ZdsClient, plan: RedirectPlan) -> PodManager {
-        PodManager { policy, zds, plan, pods: Mutex::new(HashMap::new()) }
+    pub fn new(
+        policy: Arc<dyn EnrollmentPolicy>,
+        zds: ZdsClient,
+        plan: RedirectPlan,
+    ) -> PodManager {
+        PodManager {
+            policy,
+            zds,
+            plan,
+            pods: Mutex::new(HashMap::new()),
+        }
     }
 
     /// The enrolled pods, sorted by namespace/name.
     pub fn enrolled(&self) -> Vec<EnrolledPod> {
-        let mut v: Vec<_> = self.pods.lock().map(|p| p.values().cloned().collect()).unwrap_or_default();
+        let mut v: Vec<_> = self
+            .pods
+            .lock()
+            .map(|p| p.values().cloned().collect())
+            .unwrap_or_default();
         v.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
         v
     }
@@ -117,8 +130,15 @@ impl PodManager {
         if ev.netns.is_empty() {
             return Err(PodError::NoNetns(pod));
         }
-        let uid = if ev.pod_uid.is_empty() { pod.clone() } else { ev.pod_uid.clone() };
-        let netns = Netns::open(&ev.netns).map_err(|source| PodError::Netns { pod: pod.clone(), source })?;
+        let uid = if ev.pod_uid.is_empty() {
+            pod.clone()
+        } else {
+            ev.pod_uid.clone()
+        };
+        let netns = Netns::open(&ev.netns).map_err(|source| PodError::Netns {
+            pod: pod.clone(),
+            source,
+        })?;
         let span = tracing::info_span!("pod", %pod, %uid, netns = %netns.id());
         let _enter = span.enter();
         let plan = self.plan.clone();
@@ -126,12 +146,22 @@ impl PodManager {
         tokio::task::spawn_blocking(move || redirect::apply(&ns, &plan))
             .await
             .map_err(|_| PodError::Task(pod.clone()))?
-            .map_err(|source| PodError::Redirect { pod: pod.clone(), source })?;
+            .map_err(|source| PodError::Redirect {
+                pod: pod.clone(),
+                source,
+            })?;
         tracing::info!("redirection rules installed");
         self.zds
-            .send(WorkloadRequest::Add { uid: uid.clone(), info: info.clone(), netns: netns.clone() })
+            .send(WorkloadRequest::Add {
+                uid: uid.clone(),
+                info: info.clone(),
+                netns: netns.clone(),
+            })
             .await
-            .map_err(|source| PodError::Proxy { pod: pod.clone(), source })?;
+            .map_err(|source| PodError::Proxy {
+                pod: pod.clone(),
+                source,
+            })?;
         tracing::info!(identity.sa = %info.service_account, "pod enrolled, proxy serving it");
         let entry = EnrolledPod {
             uid: uid.clone(),
@@ -181,9 +211,14 @@ impl PodManager {
             }
         }
         self.zds
-            .send(WorkloadRequest::Del { uid: pod.uid.clone() })
+            .send(WorkloadRequest::Del {
+                uid: pod.uid.clone(),
+            })
             .await
-            .map_err(|source| PodError::Proxy { pod: name.clone(), source })?;
+            .map_err(|source| PodError::Proxy {
+                pod: name.clone(),
+                source,
+            })?;
         tracing::info!(pod = %name, uid = %pod.uid, "pod removed from the mesh");
         Ok(())
     }

@@ -39,7 +39,10 @@ pub enum ServerError {
 
 /// Binds the plugin socket at `path` (removing a stale one; parent created 0750; socket 0600).
 pub fn bind(path: &Path) -> Result<UnixListener, ServerError> {
-    let err = |source| ServerError::Socket { path: path.to_owned(), source };
+    let err = |source| ServerError::Socket {
+        path: path.to_owned(),
+        source,
+    };
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(err)?;
         std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o750)).map_err(err)?;
@@ -55,7 +58,11 @@ pub fn bind(path: &Path) -> Result<UnixListener, ServerError> {
 }
 
 /// Serves plugin events until `shutdown` resolves.
-pub async fn serve(listener: UnixListener, pods: Arc<PodManager>, shutdown: impl std::future::Future<Output = ()>) {
+pub async fn serve(
+    listener: UnixListener,
+    pods: Arc<PodManager>,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
     tokio::pin!(shutdown);
     loop {
         let stream = tokio::select! {
@@ -71,7 +78,10 @@ pub async fn serve(listener: UnixListener, pods: Arc<PodManager>, shutdown: impl
         match stream.peer_cred() {
             Ok(cred) if cred.uid() == 0 => {}
             Ok(cred) => {
-                tracing::warn!(uid = cred.uid(), "refusing plugin connection from non-root peer");
+                tracing::warn!(
+                    uid = cred.uid(),
+                    "refusing plugin connection from non-root peer"
+                );
                 continue;
             }
             Err(e) => {
@@ -98,7 +108,10 @@ fn reply(code: StatusCode, body: impl Into<Bytes>) -> Result<Response<Full<Bytes
     Ok(r)
 }
 
-async fn handle(pods: Arc<PodManager>, req: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infallible> {
+async fn handle(
+    pods: Arc<PodManager>,
+    req: Request<Incoming>,
+) -> Result<Response<Full<Bytes>>, Infallible> {
     let (parts, body) = req.into_parts();
     if parts.method != Method::POST {
         return reply(StatusCode::METHOD_NOT_ALLOWED, "POST only\n");

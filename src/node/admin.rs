@@ -48,8 +48,14 @@ pub async fn spawn(
     stats_addr: SocketAddr,
     stop: tokio::sync::watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
-    for (addr, kind) in [(admin_addr, Kind::Admin), (ready_addr, Kind::Ready), (stats_addr, Kind::Stats)] {
-        let listener = TcpListener::bind(addr).await.with_context(|| format!("bind {addr}"))?;
+    for (addr, kind) in [
+        (admin_addr, Kind::Admin),
+        (ready_addr, Kind::Ready),
+        (stats_addr, Kind::Stats),
+    ] {
+        let listener = TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("bind {addr}"))?;
         let admin = admin.clone();
         let mut stop = stop.clone();
         tokio::spawn(async move {
@@ -64,7 +70,9 @@ pub async fn spawn(
                         let admin = admin.clone();
                         async move { handle(&admin, kind, req) }
                     });
-                    let _ = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), svc).await;
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
                 });
             }
         });
@@ -72,7 +80,11 @@ pub async fn spawn(
     Ok(())
 }
 
-fn text(code: StatusCode, body: impl Into<Bytes>, content_type: &str) -> Result<Response<Full<Bytes>>, Infallible> {
+fn text(
+    code: StatusCode,
+    body: impl Into<Bytes>,
+    content_type: &str,
+) -> Result<Response<Full<Bytes>>, Infallible> {
     let mut r = Response::new(Full::new(body.into()));
     *r.status_mut() = code;
     if let Ok(v) = http::HeaderValue::from_str(content_type) {
@@ -81,7 +93,11 @@ fn text(code: StatusCode, body: impl Into<Bytes>, content_type: &str) -> Result<
     Ok(r)
 }
 
-fn handle(admin: &Admin, kind: Kind, req: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infallible> {
+fn handle(
+    admin: &Admin,
+    kind: Kind,
+    req: Request<Incoming>,
+) -> Result<Response<Full<Bytes>>, Infallible> {
     match (kind, req.uri().path()) {
         (Kind::Admin, "/config_dump") => {
             let dump = config_dump(admin);
@@ -126,9 +142,15 @@ pub fn config_dump(admin: &Admin) -> serde_json::Value {
 }
 
 fn humantime(t: std::time::SystemTime) -> String {
-    let secs = t.duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let secs = t
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
     time::OffsetDateTime::from_unix_timestamp(secs as i64)
         .ok()
-        .and_then(|d| d.format(&time::format_description::well_known::Rfc3339).ok())
+        .and_then(|d| {
+            d.format(&time::format_description::well_known::Rfc3339)
+                .ok()
+        })
         .unwrap_or_else(|| secs.to_string())
 }

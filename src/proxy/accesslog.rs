@@ -54,11 +54,31 @@ impl Metrics {
     pub fn render(&self) -> String {
         let mut out = String::new();
         for (name, help, v) in [
-            ("istio_tcp_connections_opened_total", "Total TCP connections opened", &self.opened),
-            ("istio_tcp_connections_closed_total", "Total TCP connections closed", &self.closed),
-            ("istio_tcp_connections_failed_total", "Total TCP connections that failed", &self.failed),
-            ("istio_tcp_sent_bytes_total", "Bytes sent to the peer", &self.sent),
-            ("istio_tcp_received_bytes_total", "Bytes received from the peer", &self.received),
+            (
+                "istio_tcp_connections_opened_total",
+                "Total TCP connections opened",
+                &self.opened,
+            ),
+            (
+                "istio_tcp_connections_closed_total",
+                "Total TCP connections closed",
+                &self.closed,
+            ),
+            (
+                "istio_tcp_connections_failed_total",
+                "Total TCP connections that failed",
+                &self.failed,
+            ),
+            (
+                "istio_tcp_sent_bytes_total",
+                "Bytes sent to the peer",
+                &self.sent,
+            ),
+            (
+                "istio_tcp_received_bytes_total",
+                "Bytes received from the peer",
+                &self.received,
+            ),
         ] {
             let _ = writeln!(out, "# HELP {name} {help}.\n# TYPE {name} counter");
             for (i, reporter) in ["source", "destination"].iter().enumerate() {
@@ -98,13 +118,31 @@ pub struct ConnectionLog {
 
 impl ConnectionLog {
     /// Starts a record and counts the connection as opened.
-    pub fn open(metrics: &Metrics, direction: Direction, src: SocketAddr, dst: SocketAddr) -> ConnectionLog {
+    pub fn open(
+        metrics: &Metrics,
+        direction: Direction,
+        src: SocketAddr,
+        dst: SocketAddr,
+    ) -> ConnectionLog {
         metrics.opened[direction.idx()].fetch_add(1, Ordering::Relaxed);
-        ConnectionLog { direction, src, src_identity: None, dst, hbone_addr: None, dst_identity: None, start: Instant::now() }
+        ConnectionLog {
+            direction,
+            src,
+            src_identity: None,
+            dst,
+            hbone_addr: None,
+            dst_identity: None,
+            start: Instant::now(),
+        }
     }
 
     /// Logs "connection complete" (info) or, with `error`, the same at error level, and counts it.
-    pub fn finish(self, metrics: &Metrics, bytes: Transferred, error: Option<&dyn std::fmt::Display>) {
+    pub fn finish(
+        self,
+        metrics: &Metrics,
+        bytes: Transferred,
+        error: Option<&dyn std::fmt::Display>,
+    ) {
         let i = self.direction.idx();
         metrics.closed[i].fetch_add(1, Ordering::Relaxed);
         metrics.sent[i].fetch_add(bytes.sent, Ordering::Relaxed);
@@ -170,12 +208,34 @@ mod tests {
     #[test]
     fn counters_render_with_istio_names() {
         let m = Metrics::default();
-        let log = ConnectionLog::open(&m, Direction::Inbound, "10.0.0.1:5".parse().expect("a"), "10.0.0.2:80".parse().expect("a"));
-        log.finish(&m, Transferred { sent: 11, received: 22 }, None);
+        let log = ConnectionLog::open(
+            &m,
+            Direction::Inbound,
+            "10.0.0.1:5".parse().expect("a"),
+            "10.0.0.2:80".parse().expect("a"),
+        );
+        log.finish(
+            &m,
+            Transferred {
+                sent: 11,
+                received: 22,
+            },
+            None,
+        );
         let text = m.render();
         assert!(text.contains("istio_tcp_connections_opened_total{reporter=\"destination\",request_protocol=\"tcp\"} 1"), "{text}");
-        assert!(text.contains("istio_tcp_sent_bytes_total{reporter=\"destination\",request_protocol=\"tcp\"} 11"), "{text}");
-        assert!(text.contains("istio_tcp_connections_opened_total{reporter=\"source\",request_protocol=\"tcp\"} 0"), "{text}");
+        assert!(
+            text.contains(
+                "istio_tcp_sent_bytes_total{reporter=\"destination\",request_protocol=\"tcp\"} 11"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "istio_tcp_connections_opened_total{reporter=\"source\",request_protocol=\"tcp\"} 0"
+            ),
+            "{text}"
+        );
         assert_eq!(m.opened(Direction::Inbound), 1);
     }
 }

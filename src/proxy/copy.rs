@@ -30,7 +30,8 @@ pub struct Transferred {
 
 fn h2_io(e: h2::Error) -> io::Error {
     if e.is_io() {
-        e.into_io().unwrap_or_else(|| io::Error::other("h2 io error"))
+        e.into_io()
+            .unwrap_or_else(|| io::Error::other("h2 io error"))
     } else {
         io::Error::other(e)
     }
@@ -38,15 +39,25 @@ fn h2_io(e: h2::Error) -> io::Error {
 
 /// Whether an h2 error on read means a clean end (RST_STREAM NO_ERROR or CANCEL).
 fn is_clean_reset(e: &h2::Error) -> bool {
-    matches!(e.reason(), Some(h2::Reason::NO_ERROR) | Some(h2::Reason::CANCEL))
+    matches!(
+        e.reason(),
+        Some(h2::Reason::NO_ERROR) | Some(h2::Reason::CANCEL)
+    )
 }
 
 /// Copies `reader` into the HBONE `send` stream, ending it with END_STREAM on EOF. Returns bytes copied.
-pub async fn tcp_to_h2<R: AsyncRead + Unpin>(mut reader: R, mut send: SendStream<Bytes>) -> io::Result<u64> {
+pub async fn tcp_to_h2<R: AsyncRead + Unpin>(
+    mut reader: R,
+    mut send: SendStream<Bytes>,
+) -> io::Result<u64> {
     let mut buf = BytesMut::with_capacity(SMALL_BUF);
     let mut total = 0u64;
     loop {
-        let want = if total >= GROW_AFTER { LARGE_BUF } else { SMALL_BUF };
+        let want = if total >= GROW_AFTER {
+            LARGE_BUF
+        } else {
+            SMALL_BUF
+        };
         if buf.capacity() < want / 2 {
             buf.reserve(want);
         }
@@ -62,7 +73,12 @@ pub async fn tcp_to_h2<R: AsyncRead + Unpin>(mut reader: R, mut send: SendStream
             let cap = match poll_fn(|cx| send.poll_capacity(cx)).await {
                 Some(Ok(cap)) => cap,
                 Some(Err(e)) => return Err(h2_io(e)),
-                None => return Err(io::Error::new(io::ErrorKind::BrokenPipe, "HBONE stream closed")),
+                None => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::BrokenPipe,
+                        "HBONE stream closed",
+                    ));
+                }
             };
             if cap == 0 {
                 continue;
@@ -74,7 +90,10 @@ pub async fn tcp_to_h2<R: AsyncRead + Unpin>(mut reader: R, mut send: SendStream
 }
 
 /// Copies the HBONE `recv` stream into `writer`, half-closing it at END_STREAM. Returns bytes copied.
-pub async fn h2_to_tcp<W: AsyncWrite + Unpin>(mut recv: RecvStream, mut writer: W) -> io::Result<u64> {
+pub async fn h2_to_tcp<W: AsyncWrite + Unpin>(
+    mut recv: RecvStream,
+    mut writer: W,
+) -> io::Result<u64> {
     let mut total = 0u64;
     loop {
         match recv.data().await {
@@ -94,7 +113,11 @@ pub async fn h2_to_tcp<W: AsyncWrite + Unpin>(mut recv: RecvStream, mut writer: 
 }
 
 /// Relays between a TCP connection and an HBONE stream in both directions (see module docs).
-pub async fn relay_h2<S>(tcp: S, send: SendStream<Bytes>, recv: RecvStream) -> io::Result<Transferred>
+pub async fn relay_h2<S>(
+    tcp: S,
+    send: SendStream<Bytes>,
+    recv: RecvStream,
+) -> io::Result<Transferred>
 where
     S: AsyncRead + AsyncWrite,
 {
@@ -109,7 +132,8 @@ pub async fn relay_tcp(
     mut remote: tokio::net::TcpStream,
 ) -> io::Result<Transferred> {
     let (sent, received) =
-        tokio::io::copy_bidirectional_with_sizes(&mut local, &mut remote, LARGE_BUF, LARGE_BUF).await?;
+        tokio::io::copy_bidirectional_with_sizes(&mut local, &mut remote, LARGE_BUF, LARGE_BUF)
+            .await?;
     Ok(Transferred { sent, received })
 }
 
@@ -119,10 +143,16 @@ mod tests {
     use tokio::io::duplex;
 
     /// Builds an in-memory h2 client/server pair and returns (client send+recv, server send+recv).
-    async fn h2_pair() -> ((SendStream<Bytes>, RecvStream), (SendStream<Bytes>, RecvStream)) {
+    async fn h2_pair() -> (
+        (SendStream<Bytes>, RecvStream),
+        (SendStream<Bytes>, RecvStream),
+    ) {
         let (a, b) = duplex(1 << 20);
         let server = tokio::spawn(async move {
-            let mut conn = crate::proxy::hbone::server_builder().handshake::<_, Bytes>(b).await.expect("server hs");
+            let mut conn = crate::proxy::hbone::server_builder()
+                .handshake::<_, Bytes>(b)
+                .await
+                .expect("server hs");
             let (req, mut respond) = conn.accept().await.expect("stream").expect("ok");
             tokio::spawn(async move { while conn.accept().await.is_some() {} });
             let send = respond
@@ -130,7 +160,10 @@ mod tests {
                 .expect("respond");
             (send, req.into_body())
         });
-        let (mut client, conn) = crate::proxy::hbone::client_builder().handshake::<_, Bytes>(a).await.expect("client hs");
+        let (mut client, conn) = crate::proxy::hbone::client_builder()
+            .handshake::<_, Bytes>(a)
+            .await
+            .expect("client hs");
         tokio::spawn(conn);
         let req = http::Request::builder()
             .method(http::Method::CONNECT)
@@ -154,11 +187,14 @@ mod tests {
             let mut recv = s_recv;
             while let Some(chunk) = recv.data().await {
                 let chunk = chunk.expect("data");
-                recv.flow_control().release_capacity(chunk.len()).expect("release");
+                recv.flow_control()
+                    .release_capacity(chunk.len())
+                    .expect("release");
                 got.extend_from_slice(&chunk);
             }
             let mut send = s_send;
-            send.send_data(Bytes::from(got.clone()), true).expect("echo");
+            send.send_data(Bytes::from(got.clone()), true)
+                .expect("echo");
             got.len()
         });
         let (mut r, mut w) = tokio::io::split(app);
@@ -170,7 +206,13 @@ mod tests {
         assert_eq!(back, payload);
         assert_eq!(peer.await.expect("peer"), payload.len());
         let t = relay.await.expect("relay task").expect("relay ok");
-        assert_eq!(t, Transferred { sent: payload.len() as u64, received: payload.len() as u64 });
+        assert_eq!(
+            t,
+            Transferred {
+                sent: payload.len() as u64,
+                received: payload.len() as u64
+            }
+        );
     }
 
     #[tokio::test]

@@ -52,7 +52,10 @@ pub fn parse_authority(authority: &str) -> Result<SocketAddr, AuthorityError> {
         Ok(p) if p != 0 => p,
         _ => return Err(AuthorityError::BadPort(authority.to_owned())),
     };
-    let host = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
+    let host = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
     let ip: IpAddr = host
         .parse()
         .map_err(|_| AuthorityError::BadHost(authority.to_owned()))?;
@@ -113,22 +116,58 @@ mod tests {
 
     #[test]
     fn parses_v4_and_v6_authorities() {
-        assert_eq!(parse_authority("10.0.0.2:8080"), Ok("10.0.0.2:8080".parse().expect("addr")));
-        assert_eq!(parse_authority("[fd00::2]:80"), Ok("[fd00::2]:80".parse().expect("addr")));
-        assert_eq!(format_authority("[fd00::2]:80".parse().expect("addr")), "[fd00::2]:80");
+        assert_eq!(
+            parse_authority("10.0.0.2:8080"),
+            Ok("10.0.0.2:8080".parse().expect("addr"))
+        );
+        assert_eq!(
+            parse_authority("[fd00::2]:80"),
+            Ok("[fd00::2]:80".parse().expect("addr"))
+        );
+        assert_eq!(
+            format_authority("[fd00::2]:80".parse().expect("addr")),
+            "[fd00::2]:80"
+        );
     }
 
     #[test]
     fn rejects_bad_authorities() {
-        assert!(matches!(parse_authority("10.0.0.2"), Err(AuthorityError::MissingPort(_))));
-        assert!(matches!(parse_authority("fd00::2"), Err(AuthorityError::MissingPort(_))));
-        assert!(matches!(parse_authority("10.0.0.2:"), Err(AuthorityError::BadPort(_))));
-        assert!(matches!(parse_authority("10.0.0.2:0"), Err(AuthorityError::BadPort(_))));
-        assert!(matches!(parse_authority("10.0.0.2:99999"), Err(AuthorityError::BadPort(_))));
-        assert!(matches!(parse_authority("example.com:80"), Err(AuthorityError::BadHost(_))));
-        assert!(matches!(parse_authority("garbage"), Err(AuthorityError::MissingPort(_))));
-        assert!(matches!(parse_authority("[10.0.0.2:80"), Err(AuthorityError::BadHost(_))));
-        assert!(matches!(parse_authority(""), Err(AuthorityError::MissingPort(_))));
+        assert!(matches!(
+            parse_authority("10.0.0.2"),
+            Err(AuthorityError::MissingPort(_))
+        ));
+        assert!(matches!(
+            parse_authority("fd00::2"),
+            Err(AuthorityError::MissingPort(_))
+        ));
+        assert!(matches!(
+            parse_authority("10.0.0.2:"),
+            Err(AuthorityError::BadPort(_))
+        ));
+        assert!(matches!(
+            parse_authority("10.0.0.2:0"),
+            Err(AuthorityError::BadPort(_))
+        ));
+        assert!(matches!(
+            parse_authority("10.0.0.2:99999"),
+            Err(AuthorityError::BadPort(_))
+        ));
+        assert!(matches!(
+            parse_authority("example.com:80"),
+            Err(AuthorityError::BadHost(_))
+        ));
+        assert!(matches!(
+            parse_authority("garbage"),
+            Err(AuthorityError::MissingPort(_))
+        ));
+        assert!(matches!(
+            parse_authority("[10.0.0.2:80"),
+            Err(AuthorityError::BadHost(_))
+        ));
+        assert!(matches!(
+            parse_authority(""),
+            Err(AuthorityError::MissingPort(_))
+        ));
     }
 
     #[test]
@@ -136,12 +175,18 @@ mod tests {
         let t = traceparent();
         let parts: Vec<_> = t.split('-').collect();
         assert_eq!(parts.len(), 4, "{t}");
-        assert_eq!((parts[0], parts[1].len(), parts[2].len(), parts[3]), ("00", 32, 16, "00"));
+        assert_eq!(
+            (parts[0], parts[1].len(), parts[2].len(), parts[3]),
+            ("00", 32, 16, "00")
+        );
         assert_ne!(traceparent(), t);
     }
 
     #[test]
     fn forwarded_quotes_the_client() {
-        assert_eq!(forwarded("[fd00::1]:4000".parse().expect("addr")), "for=\"[fd00::1]:4000\"");
+        assert_eq!(
+            forwarded("[fd00::1]:4000".parse().expect("addr")),
+            "for=\"[fd00::1]:4000\""
+        );
     }
 }

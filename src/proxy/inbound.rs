@@ -61,7 +61,10 @@ pub async fn handle_hbone(pod: Arc<PodProxy>, tcp: TcpStream, peer: SocketAddr) 
         }
     };
     let peer = socket::canonical(peer);
-    let tls = match tokio_rustls::TlsAcceptor::from(pod.server_tls.clone()).accept(tcp).await {
+    let tls = match tokio_rustls::TlsAcceptor::from(pod.server_tls.clone())
+        .accept(tcp)
+        .await
+    {
         Ok(t) => t,
         Err(e) => {
             tracing::warn!(src.addr = %peer, error = %InboundError::Tls(e), "HBONE handshake refused");
@@ -122,7 +125,11 @@ async fn stream(
         }
     };
     log.dst = target;
-    let upstream = match pod.sockets.connect(target, Some(peer.ip()), CONNECT_TIMEOUT).await {
+    let upstream = match pod
+        .sockets
+        .connect(target, Some(peer.ip()), CONNECT_TIMEOUT)
+        .await
+    {
         Ok(u) => u,
         Err(e) => {
             refuse(&mut respond, StatusCode::SERVICE_UNAVAILABLE);
@@ -139,7 +146,11 @@ async fn stream(
     };
     match copy::relay_h2(upstream, send, req.into_body()).await {
         Ok(t) => log.finish(&pod.ctx.metrics, t, None),
-        Err(e) => log.finish(&pod.ctx.metrics, Default::default(), Some(&InboundError::Relay(e))),
+        Err(e) => log.finish(
+            &pod.ctx.metrics,
+            Default::default(),
+            Some(&InboundError::Relay(e)),
+        ),
     }
 }
 
@@ -148,7 +159,11 @@ pub fn check_request<B>(req: &Request<B>, local: SocketAddr) -> Result<SocketAdd
     if req.method() != http::Method::CONNECT {
         return Err(InboundError::Method(req.method().clone()));
     }
-    let authority = req.uri().authority().map(|a| a.as_str()).unwrap_or_default();
+    let authority = req
+        .uri()
+        .authority()
+        .map(|a| a.as_str())
+        .unwrap_or_default();
     let target = socket::canonical(hbone::parse_authority(authority)?);
     if target.ip() != local.ip() {
         return Err(InboundError::IpMismatch(target.ip(), local.ip()));
@@ -175,10 +190,18 @@ pub async fn handle_plaintext(pod: Arc<PodProxy>, tcp: TcpStream, peer: SocketAd
         log.failed(&pod.ctx.metrics, &InboundError::IllegalPort(dst.port()));
         return;
     }
-    match pod.sockets.connect(dst, Some(peer.ip()), CONNECT_TIMEOUT).await {
+    match pod
+        .sockets
+        .connect(dst, Some(peer.ip()), CONNECT_TIMEOUT)
+        .await
+    {
         Ok(upstream) => match copy::relay_tcp(tcp, upstream).await {
             Ok(t) => log.finish(&pod.ctx.metrics, t, None),
-            Err(e) => log.finish(&pod.ctx.metrics, Default::default(), Some(&InboundError::Relay(e))),
+            Err(e) => log.finish(
+                &pod.ctx.metrics,
+                Default::default(),
+                Some(&InboundError::Relay(e)),
+            ),
         },
         Err(e) => log.failed(&pod.ctx.metrics, &InboundError::Upstream(e)),
     }
@@ -189,7 +212,11 @@ mod tests {
     use super::*;
 
     fn req(method: http::Method, authority: &str) -> Request<()> {
-        Request::builder().method(method).uri(authority).body(()).expect("request")
+        Request::builder()
+            .method(method)
+            .uri(authority)
+            .body(())
+            .expect("request")
     }
 
     #[test]
@@ -199,11 +226,20 @@ mod tests {
             check_request(&req(http::Method::CONNECT, "10.0.0.3:8080"), local).expect("ok"),
             "10.0.0.3:8080".parse().expect("addr")
         );
-        assert!(matches!(check_request(&req(http::Method::CONNECT, "10.0.0.4:8080"), local), Err(InboundError::IpMismatch(..))));
+        assert!(matches!(
+            check_request(&req(http::Method::CONNECT, "10.0.0.4:8080"), local),
+            Err(InboundError::IpMismatch(..))
+        ));
         for p in [15001, 15006, 15008] {
             let r = check_request(&req(http::Method::CONNECT, &format!("10.0.0.3:{p}")), local);
-            assert!(matches!(r, Err(InboundError::IllegalPort(q)) if q == p), "{r:?}");
+            assert!(
+                matches!(r, Err(InboundError::IllegalPort(q)) if q == p),
+                "{r:?}"
+            );
         }
-        assert!(matches!(check_request(&req(http::Method::GET, "http://10.0.0.3:80/"), local), Err(InboundError::Method(_))));
+        assert!(matches!(
+            check_request(&req(http::Method::GET, "http://10.0.0.3:80/"), local),
+            Err(InboundError::Method(_))
+        ));
     }
 }

@@ -14,8 +14,8 @@ use tokio::net::TcpStream;
 use crate::proxy::accesslog::{ConnectionLog, Direction};
 use crate::proxy::copy;
 use crate::proxy::hbone::{self, HBONE_PORT, ILLEGAL_PORTS};
-use crate::proxy::pool::{CONNECT_TIMEOUT, PoolError, PoolKey};
 use crate::proxy::pods::PodProxy;
+use crate::proxy::pool::{CONNECT_TIMEOUT, PoolError, PoolKey};
 use crate::proxy::state::Protocol;
 
 /// Errors of one outbound connection.
@@ -62,7 +62,9 @@ pub async fn handle(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) {
     let client = crate::proxy::socket::canonical(client);
     let mut log = ConnectionLog::open(&pod.ctx.metrics, Direction::Outbound, client, dst);
     log.src_identity = Some(pod.identity.clone());
-    if ILLEGAL_PORTS.contains(&dst.port()) && (dst.ip().is_loopback() || pod.ips.contains(&dst.ip())) {
+    if ILLEGAL_PORTS.contains(&dst.port())
+        && (dst.ip().is_loopback() || pod.ips.contains(&dst.ip()))
+    {
         log.failed(&pod.ctx.metrics, &OutboundError::SelfCall(dst));
         return;
     }
@@ -76,8 +78,17 @@ pub async fn handle(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) {
             log.failed(&pod.ctx.metrics, &OutboundError::NoEndpoints(key));
             return;
         };
-        let port = ep.services.get(&key).and_then(|m| m.get(&dst.port()).copied()).unwrap_or(port);
-        let ip = ep.workload_ips.iter().copied().find(|i| i.is_ipv4() == dst.is_ipv4()).or(ep.workload_ips.first().copied());
+        let port = ep
+            .services
+            .get(&key)
+            .and_then(|m| m.get(&dst.port()).copied())
+            .unwrap_or(port);
+        let ip = ep
+            .workload_ips
+            .iter()
+            .copied()
+            .find(|i| i.is_ipv4() == dst.is_ipv4())
+            .or(ep.workload_ips.first().copied());
         if let Some(ip) = ip {
             target = SocketAddr::new(ip, port);
         }
@@ -89,11 +100,19 @@ pub async fn handle(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) {
             log.dst = target;
             log.hbone_addr = Some(hbone_addr);
             log.dst_identity = Some(w.identity());
-            let key = PoolKey { src: pod.identity.clone(), dst: w.identity(), addr: hbone_addr };
+            let key = PoolKey {
+                src: pod.identity.clone(),
+                dst: w.identity(),
+                addr: hbone_addr,
+            };
             match connect_hbone(&pod, &key, client, target).await {
                 Ok((send, recv)) => match copy::relay_h2(tcp, send, recv).await {
                     Ok(t) => log.finish(&pod.ctx.metrics, t, None),
-                    Err(e) => log.finish(&pod.ctx.metrics, Default::default(), Some(&OutboundError::Relay(e))),
+                    Err(e) => log.finish(
+                        &pod.ctx.metrics,
+                        Default::default(),
+                        Some(&OutboundError::Relay(e)),
+                    ),
                 },
                 Err(e) => log.failed(&pod.ctx.metrics, &e),
             }
@@ -103,7 +122,11 @@ pub async fn handle(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) {
             match pod.sockets.connect(target, None, CONNECT_TIMEOUT).await {
                 Ok(upstream) => match copy::relay_tcp(tcp, upstream).await {
                     Ok(t) => log.finish(&pod.ctx.metrics, t, None),
-                    Err(e) => log.finish(&pod.ctx.metrics, Default::default(), Some(&OutboundError::Relay(e))),
+                    Err(e) => log.finish(
+                        &pod.ctx.metrics,
+                        Default::default(),
+                        Some(&OutboundError::Relay(e)),
+                    ),
                 },
                 Err(e) => log.failed(&pod.ctx.metrics, &OutboundError::Socket(e)),
             }
@@ -133,8 +156,12 @@ async fn connect_hbone(
         .header("traceparent", hbone::traceparent())
         .body(())
         .map_err(OutboundError::Request)?;
-    let (resp, send) = sender.send_request(req, false).map_err(|e| OutboundError::Connect(key.addr, e))?;
-    let resp = resp.await.map_err(|e| OutboundError::Connect(key.addr, e))?;
+    let (resp, send) = sender
+        .send_request(req, false)
+        .map_err(|e| OutboundError::Connect(key.addr, e))?;
+    let resp = resp
+        .await
+        .map_err(|e| OutboundError::Connect(key.addr, e))?;
     if resp.status() != http::StatusCode::OK {
         return Err(OutboundError::Status(key.addr, resp.status()));
     }

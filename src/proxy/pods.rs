@@ -114,7 +114,10 @@ pub struct ProxyManager {
 impl ProxyManager {
     /// A manager over `ctx`.
     pub fn new(ctx: Arc<ProxyContext>) -> Arc<ProxyManager> {
-        Arc::new(ProxyManager { ctx, running: Mutex::new(HashMap::new()) })
+        Arc::new(ProxyManager {
+            ctx,
+            running: Mutex::new(HashMap::new()),
+        })
     }
 
     /// Shared context.
@@ -126,7 +129,11 @@ impl ProxyManager {
     pub fn status(&self) -> BTreeMap<String, PodStatus> {
         self.running
             .lock()
-            .map(|r| r.iter().map(|(k, v)| (k.clone(), v.status.clone())).collect())
+            .map(|r| {
+                r.iter()
+                    .map(|(k, v)| (k.clone(), v.status.clone()))
+                    .collect()
+            })
             .unwrap_or_default()
     }
 
@@ -176,7 +183,12 @@ impl ProxyManager {
         }
     }
 
-    async fn add(&self, uid: String, info: WorkloadInfo, netns: Netns) -> Result<(), PodProxyError> {
+    async fn add(
+        &self,
+        uid: String,
+        info: WorkloadInfo,
+        netns: Netns,
+    ) -> Result<(), PodProxyError> {
         if let Ok(r) = self.running.lock() {
             if r.get(&uid).is_some_and(|p| p.netns == netns.id()) {
                 return Ok(());
@@ -200,8 +212,11 @@ impl ProxyManager {
             server_tls,
         });
         let span = tracing::info_span!("pod", %uid, name = %info.name, namespace = %info.namespace);
-        let task = tokio::spawn(tracing::Instrument::instrument(serve(pod, outbound_l, inbound_l, hbone_l), span))
-            .abort_handle();
+        let task = tokio::spawn(tracing::Instrument::instrument(
+            serve(pod, outbound_l, inbound_l, hbone_l),
+            span,
+        ))
+        .abort_handle();
         tracing::info!(%uid, %identity, netns = %netns.id(), "pod proxy listening on 15001, 15006, 15008");
         let status = PodStatus {
             info: WorkloadInfoDump {
@@ -214,7 +229,14 @@ impl ProxyManager {
             netns: netns.id().to_string(),
         };
         if let Ok(mut r) = self.running.lock() {
-            r.insert(uid, Running { netns: netns.id(), task, status });
+            r.insert(
+                uid,
+                Running {
+                    netns: netns.id(),
+                    task,
+                    status,
+                },
+            );
         }
         Ok(())
     }
@@ -222,11 +244,19 @@ impl ProxyManager {
     async fn wait_for_workload(&self, info: &WorkloadInfo) -> Result<Arc<Workload>, PodProxyError> {
         let deadline = tokio::time::Instant::now() + WORKLOAD_WAIT;
         loop {
-            if let Some(w) = self.ctx.state.load().workload_by_name(&info.namespace, &info.name) {
+            if let Some(w) = self
+                .ctx
+                .state
+                .load()
+                .workload_by_name(&info.namespace, &info.name)
+            {
                 return Ok(w);
             }
             if tokio::time::Instant::now() >= deadline {
-                return Err(PodProxyError::UnknownWorkload(info.namespace.clone(), info.name.clone()));
+                return Err(PodProxyError::UnknownWorkload(
+                    info.namespace.clone(),
+                    info.name.clone(),
+                ));
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
@@ -234,7 +264,12 @@ impl ProxyManager {
 }
 
 /// Accepts on the three listeners; connection tasks live in a JoinSet so aborting this task ends them.
-async fn serve(pod: Arc<PodProxy>, outbound_l: TcpListener, inbound_l: TcpListener, hbone_l: TcpListener) {
+async fn serve(
+    pod: Arc<PodProxy>,
+    outbound_l: TcpListener,
+    inbound_l: TcpListener,
+    hbone_l: TcpListener,
+) {
     let mut conns = JoinSet::new();
     loop {
         tokio::select! {

@@ -91,7 +91,11 @@ pub struct Pool {
 impl Pool {
     /// An empty pool dialing from `sockets` with certificates from `certs`.
     pub fn new(sockets: PodSockets, certs: Arc<CertManager>) -> Pool {
-        Pool { sockets, certs, slots: Default::default() }
+        Pool {
+            sockets,
+            certs,
+            slots: Default::default(),
+        }
     }
 
     /// A ready sender for one new stream to `key`, dialing if needed.
@@ -110,7 +114,14 @@ impl Pool {
             }
         }
         let sender = self.dial(key).await?;
-        let ready = sender.clone().ready().await.map_err(|source| PoolError::H2 { addr: key.addr, source })?;
+        let ready = sender
+            .clone()
+            .ready()
+            .await
+            .map_err(|source| PoolError::H2 {
+                addr: key.addr,
+                source,
+            })?;
         *guard = Some(Conn { sender, streams: 1 });
         Ok(ready)
     }
@@ -120,18 +131,29 @@ impl Pool {
             .sockets
             .connect(key.addr, None, CONNECT_TIMEOUT)
             .await
-            .map_err(|source| PoolError::Connect { addr: key.addr, source })?;
-        let config = tls::client_config(self.certs.clone(), key.src.clone(), vec![key.dst.clone()])?;
+            .map_err(|source| PoolError::Connect {
+                addr: key.addr,
+                source,
+            })?;
+        let config =
+            tls::client_config(self.certs.clone(), key.src.clone(), vec![key.dst.clone()])?;
         // An IP server name makes rustls send no SNI, as ztunnel does.
         let name = ServerName::IpAddress(std::net::Ipv4Addr::UNSPECIFIED.into());
         let tls = tokio_rustls::TlsConnector::from(config)
             .connect(name, tcp)
             .await
-            .map_err(|source| PoolError::Handshake { addr: key.addr, source })?;
-        let (sender, mut conn) = client_builder()
-            .handshake::<_, Bytes>(tls)
-            .await
-            .map_err(|source| PoolError::H2 { addr: key.addr, source })?;
+            .map_err(|source| PoolError::Handshake {
+                addr: key.addr,
+                source,
+            })?;
+        let (sender, mut conn) =
+            client_builder()
+                .handshake::<_, Bytes>(tls)
+                .await
+                .map_err(|source| PoolError::H2 {
+                    addr: key.addr,
+                    source,
+                })?;
         let ping = conn.ping_pong();
         let addr = key.addr;
         tokio::spawn(async move {

@@ -72,7 +72,11 @@ impl PodSockets {
                     return;
                 }
                 while let Ok((domain, reply)) = rx.recv() {
-                    let sock = Socket::new(domain, Type::STREAM.nonblocking().cloexec(), Some(Protocol::TCP));
+                    let sock = Socket::new(
+                        domain,
+                        Type::STREAM.nonblocking().cloexec(),
+                        Some(Protocol::TCP),
+                    );
                     let _ = reply.send(sock);
                 }
             })
@@ -86,7 +90,9 @@ impl PodSockets {
 
     async fn socket(&self, domain: Domain) -> Result<Socket, SocketError> {
         let (reply_tx, reply_rx) = oneshot::channel();
-        self.tx.send((domain, reply_tx)).map_err(|_| SocketError::Stopped)?;
+        self.tx
+            .send((domain, reply_tx))
+            .map_err(|_| SocketError::Stopped)?;
         let sock = reply_rx
             .await
             .map_err(|_| SocketError::Stopped)?
@@ -101,13 +107,21 @@ impl PodSockets {
     /// with SO_REUSEADDR and best-effort IP_TRANSPARENT.
     pub async fn listen(&self, port: u16) -> Result<TcpListener, SocketError> {
         let (sock, addr) = match self.socket(Domain::IPV6).await {
-            Ok(s) if s.set_only_v6(false).is_ok() => (s, SocketAddr::from((Ipv6Addr::UNSPECIFIED, port))),
-            _ => (self.socket(Domain::IPV4).await?, SocketAddr::from((Ipv4Addr::UNSPECIFIED, port))),
+            Ok(s) if s.set_only_v6(false).is_ok() => {
+                (s, SocketAddr::from((Ipv6Addr::UNSPECIFIED, port)))
+            }
+            _ => (
+                self.socket(Domain::IPV4).await?,
+                SocketAddr::from((Ipv4Addr::UNSPECIFIED, port)),
+            ),
         };
-        sock.set_reuse_address(true).map_err(io_err("set SO_REUSEADDR"))?;
+        sock.set_reuse_address(true)
+            .map_err(io_err("set SO_REUSEADDR"))?;
         let _ = sock.set_ip_transparent_v4(true);
-        sock.bind(&SockAddr::from(addr)).map_err(io_err(format!("bind {addr}")))?;
-        sock.listen(LISTEN_BACKLOG).map_err(io_err(format!("listen {addr}")))?;
+        sock.bind(&SockAddr::from(addr))
+            .map_err(io_err(format!("bind {addr}")))?;
+        sock.listen(LISTEN_BACKLOG)
+            .map_err(io_err(format!("listen {addr}")))?;
         TcpListener::from_std(sock.into()).map_err(io_err("register listener"))
     }
 
@@ -120,19 +134,29 @@ impl PodSockets {
         src: Option<IpAddr>,
         timeout: std::time::Duration,
     ) -> Result<TcpStream, SocketError> {
-        let domain = if dst.is_ipv4() { Domain::IPV4 } else { Domain::IPV6 };
+        let domain = if dst.is_ipv4() {
+            Domain::IPV4
+        } else {
+            Domain::IPV6
+        };
         let sock = self.socket(domain).await?;
-        sock.set_tcp_nodelay(true).map_err(io_err("set TCP_NODELAY"))?;
+        sock.set_tcp_nodelay(true)
+            .map_err(io_err("set TCP_NODELAY"))?;
         if let Some(src) = src.filter(|s| *s != dst.ip()) {
             if dst.is_ipv4() {
-                sock.set_ip_transparent_v4(true).map_err(io_err("set IP_TRANSPARENT"))?;
-                sock.set_freebind_v4(true).map_err(io_err("set IP_FREEBIND"))?;
+                sock.set_ip_transparent_v4(true)
+                    .map_err(io_err("set IP_TRANSPARENT"))?;
+                sock.set_freebind_v4(true)
+                    .map_err(io_err("set IP_FREEBIND"))?;
             } else {
-                sock.set_ip_transparent_v6(true).map_err(io_err("set IPV6_TRANSPARENT"))?;
-                sock.set_freebind_v6(true).map_err(io_err("set IPV6_FREEBIND"))?;
+                sock.set_ip_transparent_v6(true)
+                    .map_err(io_err("set IPV6_TRANSPARENT"))?;
+                sock.set_freebind_v6(true)
+                    .map_err(io_err("set IPV6_FREEBIND"))?;
             }
             let bind = SocketAddr::new(src, 0);
-            sock.bind(&SockAddr::from(bind)).map_err(io_err(format!("bind {bind}")))?;
+            sock.bind(&SockAddr::from(bind))
+                .map_err(io_err(format!("bind {bind}")))?;
         }
         let std_stream: std::net::TcpStream = sock.into();
         let tcp = TcpSocket::from_std_stream(std_stream);
@@ -180,7 +204,10 @@ mod tests {
     #[test]
     fn canonicalises_mapped_addresses() {
         let mapped: SocketAddr = "[::ffff:10.0.0.2]:80".parse().expect("addr");
-        assert_eq!(canonical(mapped), "10.0.0.2:80".parse::<SocketAddr>().expect("addr"));
+        assert_eq!(
+            canonical(mapped),
+            "10.0.0.2:80".parse::<SocketAddr>().expect("addr")
+        );
         let v6: SocketAddr = "[fd00::1]:80".parse().expect("addr");
         assert_eq!(canonical(v6), v6);
     }
@@ -192,7 +219,11 @@ mod tests {
         let listener = socks.listen(0).await.expect("listen");
         let port = listener.local_addr().expect("addr").port();
         let client = socks
-            .connect(SocketAddr::from(([127, 0, 0, 1], port)), None, std::time::Duration::from_secs(2))
+            .connect(
+                SocketAddr::from(([127, 0, 0, 1], port)),
+                None,
+                std::time::Duration::from_secs(2),
+            )
             .await
             .expect("connect");
         let mark = SockRef::from(&client).mark().expect("get SO_MARK");

@@ -12,7 +12,10 @@ pub struct NodeProcess(pub Child);
 
 impl Drop for NodeProcess {
     fn drop(&mut self) {
-        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.0.id() as i32), nix::sys::signal::Signal::SIGTERM);
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.0.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
         let deadline = Instant::now() + Duration::from_secs(3);
         while Instant::now() < deadline {
             if let Ok(Some(_)) = self.0.try_wait() {
@@ -57,7 +60,13 @@ impl MeshNode {
         let config = lab.dir().join("local-config.yaml");
         std::fs::write(
             &config,
-            lab::local_config(prefix, &[("client", "default", "alice", client_ip), ("server", "default", "bob", server_ip)]),
+            lab::local_config(
+                prefix,
+                &[
+                    ("client", "default", "alice", client_ip),
+                    ("server", "default", "bob", server_ip),
+                ],
+            ),
         )
         .expect("write config");
         let log = lab.dir().join("node.log");
@@ -75,14 +84,30 @@ impl MeshNode {
         let sock = run_dir.join("pluginevent.sock");
         let deadline = Instant::now() + Duration::from_secs(15);
         while !sock.exists() {
-            assert!(Instant::now() < deadline, "node did not start: {}", std::fs::read_to_string(&log).unwrap_or_default());
+            assert!(
+                Instant::now() < deadline,
+                "node did not start: {}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
         let client = lab.add_pod("client", "default").expect("add client");
         let server = lab.add_pod("server", "default").expect("add server");
         let outsider = lab.add_pod("outsider", "default").expect("add outsider");
-        assert_eq!((client.ip, server.ip), (client_ip, server_ip), "host-local allocation order");
-        MeshNode { process, lab, log, run_dir, client, server, outsider }
+        assert_eq!(
+            (client.ip, server.ip),
+            (client_ip, server_ip),
+            "host-local allocation order"
+        );
+        MeshNode {
+            process,
+            lab,
+            log,
+            run_dir,
+            client,
+            server,
+            outsider,
+        }
     }
 
     /// The node log so far.
@@ -98,7 +123,10 @@ impl MeshNode {
             if let Some(l) = text.lines().find(|l| needles.iter().all(|n| l.contains(n))) {
                 return l.to_owned();
             }
-            assert!(Instant::now() < deadline, "no log line with {needles:?}; log:\n{text}");
+            assert!(
+                Instant::now() < deadline,
+                "no log line with {needles:?}; log:\n{text}"
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
     }
