@@ -140,6 +140,28 @@ fn pods_talk_over_hbone_with_identities_and_real_source_ip() {
         "no TLS records"
     );
 
+    // a client outside the mesh reaches the server through its inbound plaintext capture (15006),
+    // and the app still sees the real client address
+    let outsider_ns = Netns::open(&node.outsider.netns_path).expect("outsider netns");
+    let plain = SocketAddr::new(node.server.ip, 8081);
+    let echo = echo_once(&server_ns, plain);
+    let mut c = Lab::connect_from(&outsider_ns, plain).expect("connect from outsider");
+    c.write_all(b"plain").expect("write");
+    c.shutdown(std::net::Shutdown::Write).expect("half close");
+    let mut back = Vec::new();
+    c.read_to_end(&mut back).expect("read echo");
+    assert_eq!(back, b"plain");
+    let (_, peer) = echo.join().expect("echo thread");
+    assert_eq!(peer.ip(), node.outsider.ip);
+    node.wait_log(
+        &[
+            "connection complete",
+            "direction=\"inbound\"",
+            &format!("src.addr={}", node.outsider.ip),
+        ],
+        Duration::from_secs(5),
+    );
+
     // CNI DEL removes the rules; a second DEL succeeds
     node.lab.cni_del(&node.client).expect("DEL");
     let deadline = std::time::Instant::now() + Duration::from_secs(5);

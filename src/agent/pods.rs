@@ -140,7 +140,17 @@ impl PodManager {
             source,
         })?;
         let span = tracing::info_span!("pod", %pod, %uid, netns = %netns.id());
-        let _enter = span.enter();
+        tracing::Instrument::instrument(self.enroll(pod, uid, info, netns, ev), span).await
+    }
+
+    async fn enroll(
+        &self,
+        pod: String,
+        uid: String,
+        info: WorkloadInfo,
+        netns: Netns,
+        ev: PodAddEvent,
+    ) -> Result<AddOutcome, PodError> {
         let plan = self.plan.clone();
         let ns = netns.clone();
         tokio::task::spawn_blocking(move || redirect::apply(&ns, &plan))
@@ -186,12 +196,15 @@ impl PodManager {
             let key = pods
                 .iter()
                 .find(|(uid, p)| {
-                    (!ev.pod_uid.is_empty() && **uid == ev.pod_uid)
-                        || (!ev.container_id.is_empty() && p.container_id == ev.container_id)
-                        || (ev.pod_uid.is_empty()
-                            && ev.container_id.is_empty()
-                            && p.name == ev.pod_name
-                            && p.namespace == ev.pod_namespace)
+                    // A container id names one sandbox: a late DEL of an old sandbox must not
+                    // remove the pod's new one, so it alone decides when present.
+                    if !ev.container_id.is_empty() {
+                        p.container_id == ev.container_id
+                    } else if !ev.pod_uid.is_empty() {
+                        **uid == ev.pod_uid
+                    } else {
+                        p.name == ev.pod_name && p.namespace == ev.pod_namespace
+                    }
                 })
                 .map(|(k, _)| k.clone());
             key.and_then(|k| pods.remove(&k))

@@ -71,6 +71,7 @@ pub async fn serve(
                 Ok((s, _)) => s,
                 Err(e) => {
                     tracing::warn!(error = %e, "plugin socket accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
                     continue;
                 }
             },

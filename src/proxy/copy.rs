@@ -132,7 +132,7 @@ pub async fn relay_tcp(
     mut remote: tokio::net::TcpStream,
 ) -> io::Result<Transferred> {
     let (sent, received) =
-        tokio::io::copy_bidirectional_with_sizes(&mut local, &mut remote, LARGE_BUF, LARGE_BUF)
+        tokio::io::copy_bidirectional_with_sizes(&mut local, &mut remote, SMALL_BUF, SMALL_BUF)
             .await?;
     Ok(Transferred { sent, received })
 }

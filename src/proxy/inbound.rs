@@ -22,6 +22,9 @@ use crate::proxy::pods::PodProxy;
 use crate::proxy::pool::CONNECT_TIMEOUT;
 use crate::proxy::socket::{self, SocketError};
 
+/// Time allowed for the TLS and HTTP/2 handshakes of an inbound HBONE connection.
+const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Why an inbound stream or connection was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum InboundError {
@@ -61,9 +64,11 @@ pub async fn handle_hbone(pod: Arc<PodProxy>, tcp: TcpStream, peer: SocketAddr) 
         }
     };
     let peer = socket::canonical(peer);
-    let tls = match tokio_rustls::TlsAcceptor::from(pod.server_tls.clone())
-        .accept(tcp)
+    let accept = tokio_rustls::TlsAcceptor::from(pod.server_tls.clone()).accept(tcp);
+    let timed_out = || std::io::Error::new(std::io::ErrorKind::TimedOut, "handshake timed out");
+    let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, accept)
         .await
+        .unwrap_or_else(|_| Err(timed_out()))
     {
         Ok(t) => t,
         Err(e) => {
@@ -76,9 +81,18 @@ pub async fn handle_hbone(pod: Arc<PodProxy>, tcp: TcpStream, peer: SocketAddr) 
         .1
         .peer_certificates()
         .and_then(crate::proxy::tls::peer_identity);
-    let mut conn = match hbone::server_builder().handshake::<_, Bytes>(tls).await {
-        Ok(c) => c,
-        Err(e) => {
+    let mut conn = match tokio::time::timeout(
+        HANDSHAKE_TIMEOUT,
+        hbone::server_builder().handshake::<_, Bytes>(tls),
+    )
+    .await
+    {
+        Ok(Ok(c)) => c,
+        Err(_) => {
+            tracing::warn!(src.addr = %peer, "HBONE HTTP/2 handshake timed out");
+            return;
+        }
+        Ok(Err(e)) => {
             tracing::warn!(src.addr = %peer, error = %InboundError::H2(e), "HBONE HTTP/2 handshake failed");
             return;
         }
@@ -188,6 +202,12 @@ pub async fn handle_plaintext(pod: Arc<PodProxy>, tcp: TcpStream, peer: SocketAd
     log.dst_identity = Some(pod.identity.clone());
     if ILLEGAL_PORTS.contains(&dst.port()) {
         log.failed(&pod.ctx.metrics, &InboundError::IllegalPort(dst.port()));
+        return;
+    }
+    // Only the pod itself is a valid target: never relay to other addresses (no open proxy).
+    if !pod.ips.contains(&dst.ip()) {
+        let own = pod.ips.first().copied().unwrap_or(dst.ip());
+        log.failed(&pod.ctx.metrics, &InboundError::IpMismatch(dst.ip(), own));
         return;
     }
     match pod

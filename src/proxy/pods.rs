@@ -273,19 +273,34 @@ async fn serve(
     let mut conns = JoinSet::new();
     loop {
         tokio::select! {
-            r = outbound_l.accept() => if let Ok((s, peer)) = r {
-                let _ = s.set_nodelay(true);
-                conns.spawn(outbound::handle(pod.clone(), s, peer));
+            r = outbound_l.accept() => match r {
+                Ok((s, peer)) => {
+                    let _ = s.set_nodelay(true);
+                    conns.spawn(outbound::handle(pod.clone(), s, peer));
+                }
+                Err(e) => accept_backoff(e).await,
             },
-            r = inbound_l.accept() => if let Ok((s, peer)) = r {
-                let _ = s.set_nodelay(true);
-                conns.spawn(inbound::handle_plaintext(pod.clone(), s, peer));
+            r = inbound_l.accept() => match r {
+                Ok((s, peer)) => {
+                    let _ = s.set_nodelay(true);
+                    conns.spawn(inbound::handle_plaintext(pod.clone(), s, peer));
+                }
+                Err(e) => accept_backoff(e).await,
             },
-            r = hbone_l.accept() => if let Ok((s, peer)) = r {
-                let _ = s.set_nodelay(true);
-                conns.spawn(inbound::handle_hbone(pod.clone(), s, peer));
+            r = hbone_l.accept() => match r {
+                Ok((s, peer)) => {
+                    let _ = s.set_nodelay(true);
+                    conns.spawn(inbound::handle_hbone(pod.clone(), s, peer));
+                }
+                Err(e) => accept_backoff(e).await,
             },
             Some(_) = conns.join_next(), if !conns.is_empty() => {}
         }
     }
+}
+
+/// Logs an accept error and pauses briefly (EMFILE must not spin the CPU).
+async fn accept_backoff(e: std::io::Error) {
+    tracing::warn!(error = %e, "accept failed");
+    tokio::time::sleep(Duration::from_millis(50)).await;
 }

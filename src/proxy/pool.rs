@@ -113,7 +113,18 @@ impl Pool {
                 }
             }
         }
-        let sender = self.dial(key).await?;
+        let sender = match tokio::time::timeout(CONNECT_TIMEOUT, self.dial(key)).await {
+            Ok(r) => r?,
+            Err(_) => {
+                return Err(PoolError::Connect {
+                    addr: key.addr,
+                    source: SocketError::Io {
+                        op: format!("HBONE handshake with {}", key.addr),
+                        source: std::io::Error::new(std::io::ErrorKind::TimedOut, "timed out"),
+                    },
+                });
+            }
+        };
         let ready = sender
             .clone()
             .ready()
