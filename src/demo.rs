@@ -15,7 +15,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use crate::lab::{self, Lab, LabOptions};
+use crate::lab::{self, Lab, LabOptions, ProcessGuard};
 use crate::netns::Netns;
 
 const PREFIX: &str = "ztdemo";
@@ -51,31 +51,11 @@ pub fn run(verbose: bool) -> i32 {
     }
 }
 
-struct ChildGuard(Child);
-
-impl Drop for ChildGuard {
-    fn drop(&mut self) {
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(self.0.id() as i32),
-            nix::sys::signal::Signal::SIGTERM,
-        );
-        let deadline = Instant::now() + Duration::from_secs(3);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.0.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn track(child: Child) -> ChildGuard {
+fn track(child: Child) -> ProcessGuard {
     if let Ok(mut c) = CHILDREN.lock() {
         c.push(child.id());
     }
-    ChildGuard(child)
+    ProcessGuard(child)
 }
 
 fn install_interrupt_cleanup() {

@@ -361,3 +361,23 @@ pub fn local_config(node: &str, pods: &[(&str, &str, &str, std::net::IpAddr)]) -
     }
     y
 }
+
+/// A child process that is stopped (SIGTERM, then SIGKILL after 3 s) when dropped.
+#[derive(Debug)]
+pub struct ProcessGuard(pub std::process::Child);
+
+impl Drop for ProcessGuard {
+    fn drop(&mut self) {
+        let pid = nix::unistd::Pid::from_raw(self.0.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(3);
+        while std::time::Instant::now() < deadline {
+            if let Ok(Some(_)) = self.0.try_wait() {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}

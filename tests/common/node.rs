@@ -2,31 +2,12 @@
 #![allow(dead_code)]
 
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use ztnode::lab::{self, Lab, LabOptions, Pod};
 
-/// Kills the node process on drop.
-pub struct NodeProcess(pub Child);
-
-impl Drop for NodeProcess {
-    fn drop(&mut self) {
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(self.0.id() as i32),
-            nix::sys::signal::Signal::SIGTERM,
-        );
-        let deadline = Instant::now() + Duration::from_secs(3);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.0.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+pub use ztnode::lab::ProcessGuard as NodeProcess;
 
 /// A lab node running `ztnode node`, with two enrolled pods (`client` sa alice, `server` sa bob)
 /// and one pod outside the mesh (`outsider`). Field order = drop order: process first, then the lab.
