@@ -123,15 +123,24 @@ impl ChainRunner {
 
     /// CNI ADD through the whole chain; returns the final result.
     pub fn add(&self, att: &Attachment) -> Result<Value, ChainError> {
+        self.add_timed(att).map(|(result, _)| result)
+    }
+
+    /// CNI ADD through the whole chain; returns the final result and each plugin's exec time
+    /// (spawn until it exited), in chain order.
+    pub fn add_timed(&self, att: &Attachment) -> Result<(Value, Vec<(String, std::time::Duration)>), ChainError> {
         let mut prev: Option<Value> = None;
+        let mut timings = Vec::new();
         for plugin in self.plugins() {
+            let start = std::time::Instant::now();
             let out = self.exec(plugin, "ADD", att, prev.as_ref())?;
+            timings.push((plugin_type(plugin), start.elapsed()));
             prev = Some(out.ok_or_else(|| ChainError::BadOutput {
                 plugin: plugin_type(plugin),
                 source: serde_json::Error::io(std::io::Error::other("empty ADD result")),
             })?);
         }
-        Ok(prev.unwrap_or(Value::Null))
+        Ok((prev.unwrap_or(Value::Null), timings))
     }
 
     /// CNI DEL through the chain in reverse; `result` is the cached ADD result, if any.

@@ -81,6 +81,8 @@ pub struct Pod {
     pub ip: std::net::IpAddr,
     /// The final ADD result.
     pub result: Value,
+    /// Exec time of each plugin of the ADD, in chain order.
+    pub add_timings: Vec<(String, std::time::Duration)>,
 }
 
 /// The node and its pods; see the module docs.
@@ -214,7 +216,7 @@ impl Lab {
         );
         let netns_path = PathBuf::from(format!("/var/run/netns/{netns_name}"));
         let att = self.attachment(&netns_name, &netns_path, name, namespace, &uid);
-        let result = match self.runner.add(&att) {
+        let (result, add_timings) = match self.runner.add_timed(&att) {
             Ok(r) => r,
             Err(e) => {
                 let _ = self.runner.del(&att, None);
@@ -241,6 +243,7 @@ impl Lab {
             netns_path,
             ip: ip_addr,
             result,
+            add_timings,
         };
         if let Ok(mut pods) = self.pods.lock() {
             pods.push(pod.clone());

@@ -16,3 +16,13 @@ pub mod plugin;
 pub mod podevent;
 pub mod proxy;
 pub mod zds;
+pub mod bench;
+
+/// Raises the soft `RLIMIT_NOFILE` to the hard limit (as ztunnel does at start): a proxy holds two
+/// sockets per proxied connection.
+pub fn raise_nofile_limit() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    if let Ok((_, hard)) = getrlimit(Resource::RLIMIT_NOFILE) {
+        let _ = setrlimit(Resource::RLIMIT_NOFILE, hard, hard);
+    }
+}

@@ -92,6 +92,24 @@ enum Cmd {
         #[arg(long)]
         verbose: bool,
     },
+    /// Measure throughput, latency, connection rate, memory and CNI ADD time against the direct path (root).
+    Bench {
+        /// Seconds per throughput and connection-rate figure.
+        #[arg(long, default_value_t = 10)]
+        duration: u64,
+        /// 1 KiB round trips for the latency percentiles.
+        #[arg(long, default_value_t = 20000)]
+        round_trips: usize,
+        /// Enrolled pods for the idle-memory and CNI ADD figures.
+        #[arg(long, default_value_t = 100)]
+        pods: usize,
+        /// Idle connections held through the tunnel for the per-connection memory figure.
+        #[arg(long, default_value_t = 1000)]
+        idle_conns: usize,
+        /// JSON report path.
+        #[arg(long, default_value = "bench.json")]
+        json: PathBuf,
+    },
     /// The CNI plugin (same as running as `ztnode-cni`).
     Cni,
     /// Print version and git commit.
@@ -175,6 +193,13 @@ fn run(cmd: Cmd) -> anyhow::Result<i32> {
             Ok(0)
         }
         Cmd::Demo { verbose } => Ok(ztnode::demo::run(verbose)),
+        Cmd::Bench { duration, round_trips, pods, idle_conns, json } => Ok(ztnode::bench::run(ztnode::bench::BenchOptions {
+            duration: Duration::from_secs(duration),
+            round_trips,
+            pods,
+            idle_conns,
+            json,
+        })),
         Cmd::Node {
             config,
             dirs,
@@ -189,6 +214,7 @@ fn run(cmd: Cmd) -> anyhow::Result<i32> {
             metrics_addr,
         } => {
             init_tracing();
+            ztnode::raise_nofile_limit();
             let cfg = ztnode::node::NodeConfig {
                 config,
                 run_dir: dirs.run_dir,
