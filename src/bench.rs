@@ -34,6 +34,8 @@ pub struct BenchOptions {
     pub idle_conns: usize,
     /// Where to write the JSON report.
     pub json: PathBuf,
+    /// Keep the lab up this long before measuring (for attaching a profiler by hand).
+    pub hold: Duration,
 }
 
 const PREFIX: &str = "ztbench";
@@ -147,6 +149,13 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
     let rss_n = settle_rss(pid)?;
     eprintln!("bench: {} pods enrolled; measuring", opts.pods);
 
+    if !opts.hold.is_zero() {
+        eprintln!(
+            "bench: holding {:?}: node pid {pid}, pods {} {} (mesh) and {} {} (direct)",
+            opts.hold, m_client.netns_name, m_server.netns_name, d_client.netns_name, d_server.netns_name
+        );
+        std::thread::sleep(opts.hold);
+    }
     let secs = opts.duration.as_secs().max(1);
     let mut rows = Vec::new();
     for streams in [1usize, 8] {

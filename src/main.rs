@@ -109,6 +109,9 @@ enum Cmd {
         /// JSON report path.
         #[arg(long, default_value = "bench.json")]
         json: PathBuf,
+        /// Seconds to keep the lab up before measuring (to attach a profiler).
+        #[arg(long, default_value_t = 0)]
+        hold: u64,
     },
     /// The CNI plugin (same as running as `ztnode-cni`).
     Cni,
@@ -154,9 +157,14 @@ async fn shutdown_signal() {
     }
 }
 
+/// Data-plane worker threads: `ZTUNNEL_WORKER_THREADS` (ztunnel's name), default 2.
+fn worker_threads() -> usize {
+    std::env::var("ZTUNNEL_WORKER_THREADS").ok().and_then(|v| v.parse().ok()).filter(|n| *n > 0).unwrap_or(2)
+}
+
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     Ok(tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(worker_threads())
         .thread_name("ztnode")
         .enable_all()
         .build()?)
@@ -193,7 +201,8 @@ fn run(cmd: Cmd) -> anyhow::Result<i32> {
             Ok(0)
         }
         Cmd::Demo { verbose } => Ok(ztnode::demo::run(verbose)),
-        Cmd::Bench { duration, round_trips, pods, idle_conns, json } => Ok(ztnode::bench::run(ztnode::bench::BenchOptions {
+        Cmd::Bench { duration, round_trips, pods, idle_conns, json, hold } => Ok(ztnode::bench::run(ztnode::bench::BenchOptions {
+            hold: Duration::from_secs(hold),
             duration: Duration::from_secs(duration),
             round_trips,
             pods,
