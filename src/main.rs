@@ -11,9 +11,6 @@ use mimalloc::MiMalloc;
 #[global_allocator]
 static GLOBAL: MiMalloc = MiMalloc;
 
-/// Exit status for invalid configuration.
-const EXIT_BAD_CONFIG: i32 = 2;
-
 #[derive(Parser)]
 #[command(name = "ztnode", version = concat!(env!("CARGO_PKG_VERSION"), " (", env!("ZTNODE_GIT_SHA"), ")"),
     about = "The node side of an ambient service mesh, wire-compatible with Istio ambient")]
@@ -35,6 +32,93 @@ struct HostDirs {
     cni_conf_dir: PathBuf,
 }
 
+/// Options of the agent half (`node`, `agent`).
+#[derive(clap::Args, Debug, Clone)]
+struct AgentOpts {
+    #[command(flatten)]
+    dirs: HostDirs,
+    /// Do not install the plugin onto the host CNI dirs.
+    #[arg(long)]
+    no_install: bool,
+    /// Redirect DNS (udp/tcp 53) to 15053 in enrolled pods.
+    #[arg(long, env = "AMBIENT_DNS_CAPTURE")]
+    dns_capture: bool,
+    /// Program IPv6 redirection too.
+    #[arg(long, env = "AMBIENT_IPV6")]
+    ipv6: bool,
+}
+
+/// Options of the proxy half (`node`, `proxy`).
+#[derive(clap::Args, Debug, Clone)]
+struct ProxyOpts {
+    /// CA dir (root-cert.pem, ca-key.pem); default `<run-dir>/ca`.
+    #[arg(long)]
+    ca_dir: Option<PathBuf>,
+    /// Workload certificate lifetime, seconds.
+    #[arg(long, env = "SECRET_TTL_SECONDS", default_value_t = 86400)]
+    cert_lifetime_secs: u64,
+    /// SO_MARK of proxy sockets.
+    #[arg(long, env = "PACKET_MARK", default_value_t = ztnode::proxy::socket::DEFAULT_PACKET_MARK)]
+    packet_mark: u32,
+    /// Admin address (`/config_dump`).
+    #[arg(long, default_value = "127.0.0.1:15000")]
+    admin_addr: SocketAddr,
+    /// Readiness address (`/healthz/ready`).
+    #[arg(long, default_value = "0.0.0.0:15021")]
+    readiness_addr: SocketAddr,
+    /// Metrics address (`/metrics`).
+    #[arg(long, default_value = "0.0.0.0:15020")]
+    metrics_addr: SocketAddr,
+}
+
+/// `ztnode proxy` / `ztunnel`.
+#[derive(clap::Args, Debug, Clone)]
+struct ProxyCmd {
+    /// Local config (ztunnel LOCAL_XDS_PATH YAML format).
+    #[arg(long, env = "LOCAL_XDS_PATH")]
+    config: PathBuf,
+    /// The node agent's ZDS socket.
+    #[arg(long, env = "INPOD_UDS", default_value = ztnode::zds::DEFAULT_SOCKET_PATH)]
+    zds_socket: PathBuf,
+    /// Run dir (the CA dir defaults to `<run-dir>/ca`).
+    #[arg(long, env = "CNI_AGENT_RUN_DIR", default_value = ztnode::podevent::DEFAULT_RUN_DIR)]
+    run_dir: PathBuf,
+    #[command(flatten)]
+    proxy: ProxyOpts,
+}
+
+/// `ztnode agent` / `ztnode-agent`.
+#[derive(clap::Args, Debug, Clone)]
+struct AgentCmd {
+    /// Local config (ztunnel LOCAL_XDS_PATH YAML format): enrollment = HBONE workload of the pod.
+    #[arg(long, env = "LOCAL_XDS_PATH")]
+    config: PathBuf,
+    /// Where to serve ZDS for proxies.
+    #[arg(long, env = "ZTUNNEL_UDS_ADDRESS", default_value = ztnode::zds::DEFAULT_SOCKET_PATH)]
+    zds_socket: PathBuf,
+    #[command(flatten)]
+    agent: AgentOpts,
+}
+
+/// Parser for argv[0] `ztunnel`.
+#[derive(Parser)]
+#[command(name = "ztunnel", about = "The ztnode proxy alone (as `ztnode proxy`)")]
+struct ZtunnelCli {
+    #[command(flatten)]
+    cmd: ProxyCmd,
+}
+
+/// Parser for argv[0] `ztnode-agent`.
+#[derive(Parser)]
+#[command(
+    name = "ztnode-agent",
+    about = "The ztnode node agent alone (as `ztnode agent`)"
+)]
+struct AgentCli {
+    #[command(flatten)]
+    cmd: AgentCmd,
+}
+
 #[derive(Subcommand)]
 enum Cmd {
     /// Agent and proxy in one process (standalone mode DaemonSet entrypoint).
@@ -43,39 +127,14 @@ enum Cmd {
         #[arg(long, env = "LOCAL_XDS_PATH")]
         config: PathBuf,
         #[command(flatten)]
-        dirs: HostDirs,
-        /// Do not install the plugin onto the host CNI dirs.
-        #[arg(long)]
-        no_install: bool,
-        /// CA dir (root-cert.pem, ca-key.pem); default `<run-dir>/ca`.
-        #[arg(long)]
-        ca_dir: Option<PathBuf>,
-        /// Workload certificate lifetime, seconds.
-        #[arg(long, env = "SECRET_TTL_SECONDS", default_value_t = 86400)]
-        cert_lifetime_secs: u64,
-        /// SO_MARK of proxy sockets.
-        #[arg(long, env = "PACKET_MARK", default_value_t = ztnode::proxy::socket::DEFAULT_PACKET_MARK)]
-        packet_mark: u32,
-        /// Redirect DNS (udp/tcp 53) to 15053 in enrolled pods.
-        #[arg(long, env = "AMBIENT_DNS_CAPTURE")]
-        dns_capture: bool,
-        /// Program IPv6 redirection too.
-        #[arg(long, env = "AMBIENT_IPV6")]
-        ipv6: bool,
-        /// Admin address (`/config_dump`).
-        #[arg(long, default_value = "127.0.0.1:15000")]
-        admin_addr: SocketAddr,
-        /// Readiness address (`/healthz/ready`).
-        #[arg(long, default_value = "0.0.0.0:15021")]
-        readiness_addr: SocketAddr,
-        /// Metrics address (`/metrics`).
-        #[arg(long, default_value = "0.0.0.0:15020")]
-        metrics_addr: SocketAddr,
+        agent: AgentOpts,
+        #[command(flatten)]
+        proxy: ProxyOpts,
     },
-    /// The proxy alone (needs the ZDS socket of a node agent; not available yet).
-    Proxy,
-    /// The agent alone (serves ZDS to a separate proxy; not available yet).
-    Agent,
+    /// The proxy alone (ztunnel): takes pods from the node agent's ZDS socket.
+    Proxy(ProxyCmd),
+    /// The node agent alone (istio-cni agent): serves ZDS to separate proxies.
+    Agent(AgentCmd),
     /// Copy the plugin into the CNI bin dir and chain it into the primary CNI config.
     Install {
         #[command(flatten)]
@@ -182,12 +241,26 @@ fn run(cmd: Cmd) -> anyhow::Result<i32> {
             );
             Ok(0)
         }
-        Cmd::Proxy | Cmd::Agent => {
-            eprintln!(
-                "ztnode: the proxy and the agent run together as `ztnode node` in this version; \
-                 separate processes over the ZDS socket are not supported yet"
-            );
-            Ok(EXIT_BAD_CONFIG)
+        Cmd::Proxy(p) => {
+            init_tracing();
+            let cfg = proxy_config(&p.proxy, &p.run_dir);
+            runtime()?.block_on(ztnode::node::run_proxy(
+                p.config,
+                cfg,
+                p.zds_socket,
+                shutdown_signal(),
+            ))?;
+            Ok(0)
+        }
+        Cmd::Agent(a) => {
+            init_tracing();
+            runtime()?.block_on(ztnode::node::run_agent(
+                a.config,
+                agent_config(&a.agent),
+                a.zds_socket,
+                shutdown_signal(),
+            ))?;
+            Ok(0)
         }
         Cmd::Install { dirs } => {
             init_tracing();
@@ -211,40 +284,44 @@ fn run(cmd: Cmd) -> anyhow::Result<i32> {
         })),
         Cmd::Node {
             config,
-            dirs,
-            no_install,
-            ca_dir,
-            cert_lifetime_secs,
-            packet_mark,
-            dns_capture,
-            ipv6,
-            admin_addr,
-            readiness_addr,
-            metrics_addr,
+            agent,
+            proxy,
         } => {
             init_tracing();
             ztnode::raise_nofile_limit();
             let cfg = ztnode::node::NodeConfig {
                 config,
-                run_dir: dirs.run_dir,
-                cni_bin_dir: dirs.cni_bin_dir,
-                cni_conf_dir: dirs.cni_conf_dir,
-                install: !no_install,
-                ca_dir,
-                cert_lifetime: Duration::from_secs(cert_lifetime_secs),
-                packet_mark,
-                redirect: ztnode::agent::redirect::RedirectPlan {
-                    ipv6,
-                    dns_capture,
-                    ..Default::default()
-                },
-                admin_addr,
-                readiness_addr,
-                metrics_addr,
+                proxy: proxy_config(&proxy, &agent.dirs.run_dir),
+                agent: agent_config(&agent),
             };
             runtime()?.block_on(ztnode::node::run(cfg, shutdown_signal()))?;
             Ok(0)
         }
+    }
+}
+
+fn agent_config(a: &AgentOpts) -> ztnode::node::AgentConfig {
+    ztnode::node::AgentConfig {
+        run_dir: a.dirs.run_dir.clone(),
+        cni_bin_dir: a.dirs.cni_bin_dir.clone(),
+        cni_conf_dir: a.dirs.cni_conf_dir.clone(),
+        install: !a.no_install,
+        redirect: ztnode::agent::redirect::RedirectPlan {
+            ipv6: a.ipv6,
+            dns_capture: a.dns_capture,
+            ..Default::default()
+        },
+    }
+}
+
+fn proxy_config(p: &ProxyOpts, run_dir: &std::path::Path) -> ztnode::node::ProxyConfig {
+    ztnode::node::ProxyConfig {
+        ca_dir: p.ca_dir.clone().unwrap_or_else(|| run_dir.join("ca")),
+        cert_lifetime: Duration::from_secs(p.cert_lifetime_secs),
+        packet_mark: p.packet_mark,
+        admin_addr: p.admin_addr,
+        readiness_addr: p.readiness_addr,
+        metrics_addr: p.metrics_addr,
     }
 }
 
@@ -256,8 +333,8 @@ fn main() {
         .unwrap_or_default();
     let cmd = match base.as_str() {
         "ztnode-cni" => Cmd::Cni,
-        "ztunnel" => Cmd::Proxy,
-        "ztnode-agent" => Cmd::Agent,
+        "ztunnel" => Cmd::Proxy(ZtunnelCli::parse().cmd),
+        "ztnode-agent" => Cmd::Agent(AgentCli::parse().cmd),
         _ => Cli::parse().cmd,
     };
     let code = match run(cmd) {

@@ -1,19 +1,25 @@
-//! `ztnode node`: the agent and the proxy in one process (the DaemonSet entrypoint in standalone mode).
+//! Role wiring: `ztnode node` (agent and proxy in one process, the DaemonSet entrypoint in standalone
+//! mode), `ztnode agent` and `ztnode proxy` (the two halves as separate processes over the ZDS socket,
+//! like istio-cni and ztunnel).
 //!
 //! Wiring, in a pod's order: local config → workload state; built-in CA → certificates; proxy manager
-//! behind the in-process ZDS channel; pod manager (enrollment = HBONE workload of that namespace/name
-//! in the local config) behind the plugin socket; self-install onto the host CNI dirs with repair;
-//! admin (`127.0.0.1:15000/config_dump`), readiness (`:15021/healthz/ready`) and metrics
-//! (`:15020/metrics`) endpoints. Ends cleanly when `shutdown` resolves (SIGTERM/SIGINT in `main`).
+//! behind a ZDS link ([`start_proxy`]); pod manager (enrollment = HBONE workload of that
+//! namespace/name in the local config) behind the plugin socket, self-install onto the host CNI dirs
+//! with repair ([`start_agent`]); in the proxy's process the admin (`127.0.0.1:15000/config_dump`),
+//! readiness (`:15021/healthz/ready`) and metrics (`:15020/metrics`) endpoints. [`run`] joins both
+//! halves with the in-process channel; [`run_agent`] serves ZDS on a unix socket and [`run_proxy`]
+//! connects to it. Each ends cleanly when `shutdown` resolves (SIGTERM/SIGINT in `main`).
 
 pub mod admin;
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
 
 use crate::agent::enroll::EnrollmentPolicy;
 use crate::agent::install::{self, InstallConfig};
@@ -25,14 +31,27 @@ use crate::proxy::accesslog::Metrics;
 use crate::proxy::identity::{Ca, CertManager};
 use crate::proxy::pods::{ProxyContext, ProxyManager};
 use crate::proxy::state::{self, Protocol, StateHandle};
-use crate::zds::{self, WorkloadInfo};
+use crate::zds::server::ZdsServer;
+use crate::zds::{self, WorkloadInfo, WorkloadSink, ZdsClient};
 
-/// Settings of `ztnode node`.
+/// How often the local config file is re-read.
+const CONFIG_POLL: Duration = Duration::from_secs(1);
+
+/// Settings of `ztnode node`: both halves.
 #[derive(Debug, Clone)]
 pub struct NodeConfig {
-    /// Local config file (ztunnel LOCAL_XDS_PATH format).
+    /// Local config file (ztunnel LOCAL_XDS_PATH format), read by both halves.
     pub config: PathBuf,
-    /// Agent run dir (plugin socket, CA when `ca_dir` is unset).
+    /// The agent half.
+    pub agent: AgentConfig,
+    /// The proxy half.
+    pub proxy: ProxyConfig,
+}
+
+/// Settings of the node agent half.
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    /// Agent run dir (plugin socket `pluginevent.sock`).
     pub run_dir: PathBuf,
     /// Host CNI bin dir.
     pub cni_bin_dir: PathBuf,
@@ -40,14 +59,19 @@ pub struct NodeConfig {
     pub cni_conf_dir: PathBuf,
     /// Whether to install the plugin onto the host dirs.
     pub install: bool,
-    /// CA dir (root-cert.pem, ca-key.pem); default `<run_dir>/ca`.
-    pub ca_dir: Option<PathBuf>,
+    /// Redirection options.
+    pub redirect: RedirectPlan,
+}
+
+/// Settings of the proxy half.
+#[derive(Debug, Clone)]
+pub struct ProxyConfig {
+    /// CA dir (root-cert.pem, ca-key.pem; generated when absent).
+    pub ca_dir: PathBuf,
     /// Workload certificate lifetime.
     pub cert_lifetime: Duration,
     /// SO_MARK of proxy sockets.
     pub packet_mark: u32,
-    /// Redirection options.
-    pub redirect: RedirectPlan,
     /// Admin listener (`/config_dump`).
     pub admin_addr: SocketAddr,
     /// Readiness listener (`/healthz/ready`).
@@ -56,59 +80,130 @@ pub struct NodeConfig {
     pub metrics_addr: SocketAddr,
 }
 
-/// Runs the node until `shutdown` resolves.
+/// A started agent half (see [`start_agent`]).
+pub struct Agent {
+    /// The pod table.
+    pub pods: Arc<PodManager>,
+    server_task: JoinHandle<()>,
+    sock_path: PathBuf,
+}
+
+/// Runs agent and proxy in one process, joined by the in-process ZDS channel, until `shutdown`.
 pub async fn run(
     cfg: NodeConfig,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<()> {
     tracing::info!(?cfg, "starting ztnode node");
-    let state = StateHandle::new(state::load_config_file(&cfg.config).context("local config")?);
-    tokio::spawn(state::watch_config_file(
-        cfg.config.clone(),
-        state.clone(),
-        Duration::from_secs(1),
-    ));
+    let state = load_state(&cfg.config)?;
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let (proxies, link) = start_proxy(&cfg.proxy, state.clone())?;
+    let agent = start_agent(&cfg.agent, state.clone(), link.into(), stop_rx.clone()).await?;
+    serve_admin(
+        &cfg.proxy,
+        state,
+        proxies.clone(),
+        Some(agent.pods.clone()),
+        stop_rx,
+    )
+    .await?;
 
-    let ca_dir = cfg.ca_dir.clone().unwrap_or_else(|| cfg.run_dir.join("ca"));
-    let ca = Ca::load_or_generate(Some(&ca_dir)).context("built-in CA")?;
+    shutdown.await;
+    tracing::info!("shutting down");
+    let _ = stop_tx.send(true);
+    agent.stop().await;
+    proxies.stop_all();
+    Ok(())
+}
+
+/// Runs the agent alone until `shutdown`: plugin socket, install, and the ZDS server on `zds_socket`
+/// for separate proxies. Enrollment reads the local config at `config`.
+pub async fn run_agent(
+    config: PathBuf,
+    cfg: AgentConfig,
+    zds_socket: PathBuf,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> anyhow::Result<()> {
+    tracing::info!(?cfg, config = %config.display(), zds_socket = %zds_socket.display(), "starting ztnode agent");
+    let state = load_state(&config)?;
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let zds_server = ZdsServer::new();
+    let listener = zds::server::bind(&zds_socket)?;
+    let zds_task = tokio::spawn(zds_server.clone().serve(listener, stopped(stop_rx.clone())));
+    tracing::info!(socket = %zds_socket.display(), "ZDS socket ready");
+    let agent = start_agent(&cfg, state, zds_server.into(), stop_rx).await?;
+
+    shutdown.await;
+    tracing::info!("shutting down");
+    let _ = stop_tx.send(true);
+    agent.stop().await;
+    let _ = zds_task.await;
+    let _ = std::fs::remove_file(&zds_socket);
+    Ok(())
+}
+
+/// Runs the proxy alone until `shutdown`, taking pods from the agent's ZDS socket at `zds_socket`
+/// (reconnecting while it is absent). Errors: startup failures, and a ZDS protocol error from the
+/// agent (ztunnel exits then too).
+pub async fn run_proxy(
+    config: PathBuf,
+    cfg: ProxyConfig,
+    zds_socket: PathBuf,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> anyhow::Result<()> {
+    tracing::info!(?cfg, config = %config.display(), zds_socket = %zds_socket.display(), "starting ztnode proxy");
+    let state = load_state(&config)?;
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let (proxies, link) = start_proxy(&cfg, state.clone())?;
+    serve_admin(&cfg, state, proxies.clone(), None, stop_rx).await?;
+    let res = tokio::select! {
+        _ = shutdown => Ok(()),
+        r = zds::client::run(zds_socket, link, std::future::pending()) => {
+            r.context("ZDS connection to the node agent")
+        }
+    };
+    tracing::info!("shutting down");
+    let _ = stop_tx.send(true);
+    proxies.stop_all();
+    res
+}
+
+/// Starts the proxy half: built-in CA from `cfg.ca_dir`, certificates, and the proxy manager serving
+/// the returned in-process ZDS channel (a socket client or the agent feeds it).
+pub fn start_proxy(
+    cfg: &ProxyConfig,
+    state: StateHandle,
+) -> anyhow::Result<(Arc<ProxyManager>, ZdsClient)> {
+    let ca = Ca::load_or_generate(Some(&cfg.ca_dir)).context("built-in CA")?;
     let certs = CertManager::new(ca, cfg.cert_lifetime);
-    tracing::info!(dir = %ca_dir.display(), "built-in CA ready (root-cert.pem)");
-
+    tracing::info!(dir = %cfg.ca_dir.display(), "built-in CA ready (root-cert.pem)");
     let ctx = Arc::new(ProxyContext {
-        state: state.clone(),
+        state,
         certs,
         metrics: Metrics::default(),
         mark: cfg.packet_mark,
     });
     let proxies = ProxyManager::new(ctx);
-    let (zds_client, zds_rx) = zds::channel();
-    tokio::spawn(proxies.clone().run(zds_rx));
+    let (link, rx) = zds::channel();
+    tokio::spawn(proxies.clone().run(rx));
+    Ok((proxies, link))
+}
 
-    let policy_state = state.clone();
-    let policy: Arc<dyn EnrollmentPolicy> = Arc::new(move |ns: &str, name: &str| {
-        policy_state
-            .load()
-            .workload_by_name(ns, name)
-            .filter(|w| w.protocol == Protocol::Hbone)
-            .map(|w| WorkloadInfo {
-                name: w.name.clone(),
-                namespace: w.namespace.clone(),
-                service_account: w.service_account.clone(),
-            })
-    });
-    let pods = Arc::new(PodManager::new(policy, zds_client, cfg.redirect.clone()));
-
+/// Starts the agent half: pod manager handing pods to `proxy`, the plugin event socket, and the
+/// installer with its repair loop when `cfg.install`. Background tasks end when `stop` turns true.
+pub async fn start_agent(
+    cfg: &AgentConfig,
+    state: StateHandle,
+    proxy: WorkloadSink,
+    stop: watch::Receiver<bool>,
+) -> anyhow::Result<Agent> {
+    let pods = Arc::new(PodManager::new(
+        enrollment_policy(state),
+        proxy,
+        cfg.redirect.clone(),
+    ));
     let sock_path = plugin_socket_path(&cfg.run_dir);
     let listener = server::bind(&sock_path)?;
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
-        let _ = rx.wait_for(|s| *s).await;
-    };
-    let server_task = tokio::spawn(server::serve(
-        listener,
-        pods.clone(),
-        stopped(stop_rx.clone()),
-    ));
+    let server_task = tokio::spawn(server::serve(listener, pods.clone(), stopped(stop.clone())));
     tracing::info!(socket = %sock_path.display(), "plugin event socket ready");
 
     if cfg.install {
@@ -124,28 +219,72 @@ pub async fn run(
             Ok(outcome) => tracing::info!(?outcome, "CNI plugin installed"),
             Err(e) => tracing::warn!(error = %e, "CNI install not done yet; the watcher retries"),
         }
-        tokio::spawn(install::watch_and_repair(icfg, stopped(stop_rx.clone())));
+        tokio::spawn(install::watch_and_repair(icfg, stopped(stop)));
     }
+    Ok(Agent {
+        pods,
+        server_task,
+        sock_path,
+    })
+}
 
+impl Agent {
+    /// Waits for the plugin server to stop (after `stop` turned true) and removes its socket.
+    pub async fn stop(self) {
+        let _ = self.server_task.await;
+        let _ = std::fs::remove_file(&self.sock_path);
+    }
+}
+
+/// Enrolls a pod when the local config has an HBONE workload with its namespace and name.
+fn enrollment_policy(state: StateHandle) -> Arc<dyn EnrollmentPolicy> {
+    Arc::new(move |ns: &str, name: &str| {
+        state
+            .load()
+            .workload_by_name(ns, name)
+            .filter(|w| w.protocol == Protocol::Hbone)
+            .map(|w| WorkloadInfo {
+                name: w.name.clone(),
+                namespace: w.namespace.clone(),
+                service_account: w.service_account.clone(),
+            })
+    })
+}
+
+/// Loads the local config and keeps it fresh.
+fn load_state(config: &Path) -> anyhow::Result<StateHandle> {
+    let state = StateHandle::new(state::load_config_file(config).context("local config")?);
+    tokio::spawn(state::watch_config_file(
+        config.to_owned(),
+        state.clone(),
+        CONFIG_POLL,
+    ));
+    Ok(state)
+}
+
+async fn serve_admin(
+    cfg: &ProxyConfig,
+    state: StateHandle,
+    proxies: Arc<ProxyManager>,
+    pods: Option<Arc<PodManager>>,
+    stop: watch::Receiver<bool>,
+) -> anyhow::Result<()> {
     let admin = admin::Admin {
         state,
-        proxies: proxies.clone(),
-        pods: pods.clone(),
+        proxies,
+        pods,
     };
     admin::spawn(
         admin,
         cfg.admin_addr,
         cfg.readiness_addr,
         cfg.metrics_addr,
-        stop_rx.clone(),
+        stop,
     )
-    .await?;
+    .await
+}
 
-    shutdown.await;
-    tracing::info!("shutting down");
-    let _ = stop_tx.send(true);
-    let _ = server_task.await;
-    proxies.stop_all();
-    let _ = std::fs::remove_file(&sock_path);
-    Ok(())
+/// Resolves once `rx` turns true (or its sender is gone).
+async fn stopped(mut rx: watch::Receiver<bool>) {
+    let _ = rx.wait_for(|s| *s).await;
 }

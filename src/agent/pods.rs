@@ -2,8 +2,10 @@
 //!
 //! Order follows istio-cni (`../shared/spec/istio-cni.md` §3.5, §3.7): rules first, then the proxy.
 //! If the proxy refuses or is absent, the rules stay and the ADD fails, so the pod's traffic is
-//! redirected to a port nobody serves (fail closed) until the runtime retries. Every step is
-//! idempotent: the same ADD twice is harmless, DEL of an unknown pod succeeds.
+//! redirected to a port nobody serves (fail closed) until the runtime retries; the pod stays in the
+//! table as `pending` (Istio's partial add), so its DEL still removes the rules and tells the proxy
+//! side to forget it. Every step is idempotent: the same ADD twice is harmless, DEL of an unknown pod
+//! succeeds.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -16,7 +18,7 @@ use crate::agent::enroll::EnrollmentPolicy;
 use crate::agent::redirect::{self, RedirectPlan};
 use crate::netns::{Netns, NetnsError};
 use crate::podevent::{PodAddEvent, PodDelEvent};
-use crate::zds::{WorkloadInfo, WorkloadRequest, ZdsClient, ZdsError};
+use crate::zds::{WorkloadInfo, WorkloadRequest, WorkloadSink, ZdsError};
 
 /// Errors of the pod lifecycle (the plugin gets them as HTTP 500 text).
 #[derive(Debug, thiserror::Error)]
@@ -82,6 +84,8 @@ pub struct EnrolledPod {
     pub container_id: String,
     /// Pod IPs from the plugin.
     pub ips: Vec<IpAddr>,
+    /// Rules are in place but the proxy has not taken the pod (its Add failed).
+    pub pending: bool,
     #[serde(skip)]
     handle: Netns,
 }
@@ -89,21 +93,22 @@ pub struct EnrolledPod {
 /// The agent's pod table and the flows over it.
 pub struct PodManager {
     policy: Arc<dyn EnrollmentPolicy>,
-    zds: ZdsClient,
+    zds: WorkloadSink,
     plan: RedirectPlan,
     pods: Mutex<HashMap<String, EnrolledPod>>,
 }
 
 impl PodManager {
-    /// A manager that enrolls by `policy`, redirects with `plan` and hands pods to the proxy via `zds`.
+    /// A manager that enrolls by `policy`, redirects with `plan` and hands pods to the proxy via `zds`
+    /// (the in-process channel or the ZDS socket server).
     pub fn new(
         policy: Arc<dyn EnrollmentPolicy>,
-        zds: ZdsClient,
+        zds: impl Into<WorkloadSink>,
         plan: RedirectPlan,
     ) -> PodManager {
         PodManager {
             policy,
-            zds,
+            zds: zds.into(),
             plan,
             pods: Mutex::new(HashMap::new()),
         }
@@ -161,11 +166,23 @@ impl PodManager {
                 source,
             })?;
         tracing::info!("redirection rules installed");
+        let mut entry = EnrolledPod {
+            uid: uid.clone(),
+            name: info.name.clone(),
+            namespace: info.namespace.clone(),
+            service_account: info.service_account.clone(),
+            netns: ev.netns,
+            container_id: ev.container_id,
+            ips: ev.ips.iter().map(|i| i.address.ip).collect(),
+            pending: true,
+            handle: netns.clone(),
+        };
+        self.remember(entry.clone());
         self.zds
             .send(WorkloadRequest::Add {
-                uid: uid.clone(),
+                uid,
                 info: info.clone(),
-                netns: netns.clone(),
+                netns,
             })
             .await
             .map_err(|source| PodError::Proxy {
@@ -173,20 +190,15 @@ impl PodManager {
                 source,
             })?;
         tracing::info!(identity.sa = %info.service_account, "pod enrolled, proxy serving it");
-        let entry = EnrolledPod {
-            uid: uid.clone(),
-            name: info.name,
-            namespace: info.namespace,
-            service_account: info.service_account,
-            netns: ev.netns,
-            container_id: ev.container_id,
-            ips: ev.ips.iter().map(|i| i.address.ip).collect(),
-            handle: netns,
-        };
-        if let Ok(mut pods) = self.pods.lock() {
-            pods.insert(uid, entry);
-        }
+        entry.pending = false;
+        self.remember(entry);
         Ok(AddOutcome::Enrolled)
+    }
+
+    fn remember(&self, entry: EnrolledPod) {
+        if let Ok(mut pods) = self.pods.lock() {
+            pods.insert(entry.uid.clone(), entry);
+        }
     }
 
     /// CNI DEL: remove the pod's rules (if its netns still exists) and stop its proxy. Unknown pods

@@ -1,4 +1,4 @@
-//! Admin, readiness and metrics endpoints of `ztnode node` (ztunnel ports, `../shared/spec/ztunnel.md` §7).
+//! Admin, readiness and metrics endpoints of the proxy process (ztunnel ports, `../shared/spec/ztunnel.md` §7).
 //!
 //! - admin `127.0.0.1:15000`: `GET /config_dump` → JSON `{workloads, services, policies, certificates,
 //!   workloadState, enrolledPods, version}`;
@@ -29,8 +29,8 @@ pub struct Admin {
     pub state: StateHandle,
     /// Pod proxies.
     pub proxies: Arc<ProxyManager>,
-    /// Enrolled pods.
-    pub pods: Arc<PodManager>,
+    /// Enrolled pods (`None` in a proxy-only process: `enrolledPods` is then null).
+    pub pods: Option<Arc<PodManager>>,
 }
 
 #[derive(Clone, Copy)]
@@ -137,7 +137,7 @@ pub fn config_dump(admin: &Admin) -> serde_json::Value {
         "policies": state.policies().collect::<Vec<_>>(),
         "certificates": certs,
         "workloadState": admin.proxies.status(),
-        "enrolledPods": admin.pods.enrolled(),
+        "enrolledPods": admin.pods.as_ref().map(|p| p.enrolled()),
     })
 }
 

@@ -1,0 +1,408 @@
+//! The proxy side of the ZDS socket (ztunnel `src/inpod/{workloadmanager,protocol,statemanager}.rs`,
+//! `../shared/spec/ztunnel.md` §1): connect to the node agent, announce `ZdsHello{V1}`, then answer
+//! every request with one `WorkloadResponse{ack}`.
+//!
+//! Requests are turned into [`WorkloadRequest`]s (the SCM_RIGHTS fd of an Add becomes its [`Netns`])
+//! and passed to the proxy through the in-process channel ([`ZdsClient`]), whose ack or nack text is
+//! sent back. fd rules: exactly one fd with an Add, none with anything else. On `SnapshotSent` the
+//! workloads not named since this connection started are deleted ([`SnapshotState`]).
+//!
+//! Errors: a read, decode or fd error is nacked and the connection is dropped and re-made; a proxy
+//! failure is nacked and the connection kept; a protocol error (Add without `workload_info`, Keep
+//! after the snapshot, a second `SnapshotSent`, an empty request) is nacked and ends [`run`] with the
+//! error, as ztunnel exits. Reconnects back off from 10 ms, doubling, up to 15 s.
+
+use std::collections::{BTreeSet, HashSet};
+use std::convert::Infallible;
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use prost::Message;
+
+use super::packet::{self, Packet, PacketError};
+use super::proto::{self, workload_request::Payload};
+use super::{WorkloadInfo, WorkloadRequest, ZdsClient, ZdsError};
+use crate::netns::Netns;
+
+/// First reconnect delay.
+pub const BACKOFF_START: Duration = Duration::from_millis(10);
+/// Largest reconnect delay.
+pub const BACKOFF_MAX: Duration = Duration::from_secs(15);
+
+/// Errors of the proxy's ZDS connection.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// Connecting, sending or receiving failed.
+    #[error(transparent)]
+    Packet(#[from] PacketError),
+    /// The agent closed the connection.
+    #[error("the node agent closed the ZDS connection")]
+    Closed,
+    /// A request did not decode.
+    #[error("decode WorkloadRequest: {0}")]
+    Decode(#[source] prost::DecodeError),
+    /// An Add came without its netns fd.
+    #[error("AddWorkload {uid}: no control message (netns fd missing)")]
+    NoFd {
+        /// Pod uid.
+        uid: String,
+    },
+    /// An Add came with more than one fd.
+    #[error("AddWorkload {uid}: {count} fds, expected exactly one")]
+    TooManyFds {
+        /// Pod uid.
+        uid: String,
+        /// Number of fds received.
+        count: usize,
+    },
+    /// A request other than Add came with fds.
+    #[error("unexpected control message with {what}")]
+    UnexpectedFd {
+        /// The request kind.
+        what: &'static str,
+    },
+    /// The received fd could not be inspected as a netns.
+    #[error("AddWorkload {uid}: netns fd: {source}")]
+    BadNetns {
+        /// Pod uid.
+        uid: String,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Protocol error: a request without payload.
+    #[error("protocol error: WorkloadRequest without payload")]
+    EmptyRequest,
+    /// Protocol error: an Add without `workload_info`.
+    #[error("protocol error: AddWorkload {uid} without workload_info")]
+    NoWorkloadInfo {
+        /// Pod uid.
+        uid: String,
+    },
+    /// Protocol error: Keep after the snapshot.
+    #[error("protocol error: KeepWorkload {uid} after SnapshotSent")]
+    KeepAfterSnapshot {
+        /// Pod uid.
+        uid: String,
+    },
+    /// Protocol error: a second `SnapshotSent` on one connection.
+    #[error("protocol error: SnapshotSent twice")]
+    SnapshotTwice,
+    /// The in-process proxy is gone.
+    #[error("the proxy manager stopped")]
+    ProxyGone,
+}
+
+/// Which workloads the proxy serves and which the current connection's snapshot named (ztunnel
+/// `statemanager.rs`). Pure bookkeeping: the caller sends the Dels it returns.
+#[derive(Debug, Default)]
+pub struct SnapshotState {
+    /// Uids the proxy serves (acked Adds not deleted since), across connections.
+    live: BTreeSet<String>,
+    /// Uids named by Add or Keep on this connection before `SnapshotSent`.
+    named: HashSet<String>,
+    /// Whether this connection's `SnapshotSent` arrived.
+    received: bool,
+}
+
+/// The outcome of handling one request: `Ok(None)` ack, `Ok(Some(text))` nack and keep going.
+type Handled = Result<Option<String>, ClientError>;
+
+/// Connects to the agent at `path` and serves its requests through `proxy` until `shutdown`
+/// resolves (`Ok`), reconnecting with backoff when the socket is absent or the connection ends.
+///
+/// Errors: a protocol error from the agent or a stopped proxy ([`ClientError::is_fatal`]).
+pub async fn run(
+    path: PathBuf,
+    proxy: ZdsClient,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), ClientError> {
+    tokio::pin!(shutdown);
+    let mut state = SnapshotState::default();
+    let mut delay = BACKOFF_START;
+    let mut quiet = false;
+    loop {
+        let Err(e) = tokio::select! {
+            _ = &mut shutdown => return Ok(()),
+            r = session(&path, &proxy, &mut state, &mut delay) => r,
+        };
+        match e {
+            e if e.is_fatal() => return Err(e),
+            ClientError::Packet(PacketError::Io { op: "connect", .. }) if quiet => {}
+            e @ ClientError::Packet(PacketError::Io { op: "connect", .. }) => {
+                tracing::warn!(error = %e, "node agent not reachable; retrying with backoff");
+                quiet = true;
+            }
+            e => {
+                tracing::warn!(socket = %path.display(), error = %e, "ZDS connection lost; reconnecting");
+                quiet = false;
+            }
+        }
+        tokio::select! {
+            _ = &mut shutdown => return Ok(()),
+            _ = tokio::time::sleep(delay) => {}
+        }
+        delay = (delay * 2).min(BACKOFF_MAX);
+    }
+}
+
+/// One connection: connect, hello, then requests until an error ends it (also the agent closing).
+async fn session(
+    path: &Path,
+    proxy: &ZdsClient,
+    state: &mut SnapshotState,
+    delay: &mut Duration,
+) -> Result<Infallible, ClientError> {
+    let sock = packet::connect(path)?;
+    sock.send(
+        &proto::ZdsHello {
+            version: proto::Version::V1 as i32,
+        },
+        None,
+    )
+    .await?;
+    tracing::info!(socket = %path.display(), "connected to the node agent");
+    *delay = BACKOFF_START;
+    state.connected();
+    loop {
+        let res = match sock.recv().await {
+            Ok(Some(pkt)) => handle(pkt, proxy, state).await,
+            Ok(None) => return Err(ClientError::Closed),
+            Err(e) => Err(e.into()),
+        };
+        let (text, end) = match res {
+            Ok(None) => (String::new(), None),
+            Ok(Some(text)) => (text, None),
+            Err(ClientError::ProxyGone) => return Err(ClientError::ProxyGone),
+            Err(e) => (e.to_string(), Some(e)),
+        };
+        if !text.is_empty() {
+            tracing::warn!(nack = %text, "nacking ZDS request");
+        }
+        let sent = sock.send(&proto::WorkloadResponse::ack(text), None).await;
+        if let Some(e) = end {
+            return Err(e);
+        }
+        sent?;
+    }
+}
+
+/// Decodes one request, checks its fds, and passes it to the proxy.
+async fn handle(pkt: Packet, proxy: &ZdsClient, state: &mut SnapshotState) -> Handled {
+    let req = proto::WorkloadRequest::decode(pkt.data.as_slice()).map_err(ClientError::Decode)?;
+    let mut fds = pkt.fds;
+    let payload = req.payload.ok_or(ClientError::EmptyRequest)?;
+    if !matches!(payload, Payload::Add(_)) && !fds.is_empty() {
+        return Err(ClientError::UnexpectedFd {
+            what: payload_name(&payload),
+        });
+    }
+    match payload {
+        Payload::Add(add) => {
+            let uid = add.uid;
+            let fd = match (fds.pop(), fds.len()) {
+                (Some(fd), 0) => fd,
+                (None, _) => return Err(ClientError::NoFd { uid }),
+                (Some(_), n) => return Err(ClientError::TooManyFds { uid, count: n + 1 }),
+            };
+            let info = add
+                .workload_info
+                .ok_or_else(|| ClientError::NoWorkloadInfo { uid: uid.clone() })?;
+            let netns = Netns::from_file(std::fs::File::from(fd)).map_err(|source| {
+                ClientError::BadNetns {
+                    uid: uid.clone(),
+                    source,
+                }
+            })?;
+            let info = WorkloadInfo {
+                name: info.name,
+                namespace: info.namespace,
+                service_account: info.service_account,
+            };
+            tracing::info!(%uid, name = %info.name, namespace = %info.namespace, netns = %netns.id(), "AddWorkload");
+            let res = forward(
+                proxy,
+                WorkloadRequest::Add {
+                    uid: uid.clone(),
+                    info,
+                    netns,
+                },
+            )
+            .await;
+            state.added(&uid, matches!(res, Ok(None)));
+            res
+        }
+        Payload::Del(del) => {
+            tracing::info!(uid = %del.uid, "DelWorkload");
+            state.deleted(&del.uid);
+            forward(proxy, WorkloadRequest::Del { uid: del.uid }).await
+        }
+        Payload::Keep(keep) => {
+            state.kept(&keep.uid)?;
+            forward(proxy, WorkloadRequest::Keep { uid: keep.uid }).await
+        }
+        Payload::SnapshotSent(_) => {
+            let stale = state.snapshot_sent()?;
+            for uid in stale {
+                tracing::info!(%uid, "workload not in the snapshot; stopping it");
+                if let Some(text) = forward(proxy, WorkloadRequest::Del { uid }).await? {
+                    return Ok(Some(text));
+                }
+            }
+            tracing::info!("snapshot received");
+            forward(proxy, WorkloadRequest::SnapshotSent).await
+        }
+    }
+}
+
+/// Passes `req` to the in-process proxy: ack `None`, nack `Some(text)`.
+async fn forward(proxy: &ZdsClient, req: WorkloadRequest) -> Handled {
+    match proxy.send(req).await {
+        Ok(()) => Ok(None),
+        Err(ZdsError::Nack(text)) => Ok(Some(text)),
+        Err(_) => Err(ClientError::ProxyGone),
+    }
+}
+
+fn payload_name(p: &Payload) -> &'static str {
+    match p {
+        Payload::Add(_) => "AddWorkload",
+        Payload::Del(_) => "DelWorkload",
+        Payload::SnapshotSent(_) => "SnapshotSent",
+        Payload::Keep(_) => "KeepWorkload",
+    }
+}
+
+// === impl ClientError ===
+
+impl ClientError {
+    /// Whether the error ends [`run`] (protocol errors, stopped proxy) rather than a reconnect.
+    pub fn is_fatal(&self) -> bool {
+        matches!(
+            self,
+            ClientError::EmptyRequest
+                | ClientError::NoWorkloadInfo { .. }
+                | ClientError::KeepAfterSnapshot { .. }
+                | ClientError::SnapshotTwice
+                | ClientError::ProxyGone
+        )
+    }
+}
+
+// === impl SnapshotState ===
+
+impl SnapshotState {
+    /// A new connection: nothing named yet, snapshot not received.
+    pub fn connected(&mut self) {
+        self.named.clear();
+        self.received = false;
+    }
+
+    /// An Add for `uid` was handled; `served` tells whether the proxy acked it.
+    pub fn added(&mut self, uid: &str, served: bool) {
+        if !self.received {
+            self.named.insert(uid.to_owned());
+        }
+        if served {
+            self.live.insert(uid.to_owned());
+        } else {
+            self.live.remove(uid);
+        }
+    }
+
+    /// A Keep for `uid`; only legal before `SnapshotSent`.
+    pub fn kept(&mut self, uid: &str) -> Result<(), ClientError> {
+        if self.received {
+            return Err(ClientError::KeepAfterSnapshot {
+                uid: uid.to_owned(),
+            });
+        }
+        self.named.insert(uid.to_owned());
+        Ok(())
+    }
+
+    /// A Del for `uid`.
+    pub fn deleted(&mut self, uid: &str) {
+        self.named.remove(uid);
+        self.live.remove(uid);
+    }
+
+    /// `SnapshotSent`: returns the served uids the snapshot did not name (to delete), sorted.
+    pub fn snapshot_sent(&mut self) -> Result<Vec<String>, ClientError> {
+        if self.received {
+            return Err(ClientError::SnapshotTwice);
+        }
+        self.received = true;
+        let stale: Vec<String> = self
+            .live
+            .iter()
+            .filter(|uid| !self.named.contains(*uid))
+            .cloned()
+            .collect();
+        for uid in &stale {
+            self.live.remove(uid);
+        }
+        Ok(stale)
+    }
+
+    /// Whether this connection's snapshot has arrived (ztunnel readiness).
+    pub fn snapshot_received(&self) -> bool {
+        self.received
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn snapshot_drops_only_workloads_not_named_since_connect() {
+        let mut s = SnapshotState::default();
+        s.connected();
+        s.added("a", true);
+        s.added("b", true);
+        s.added("failed", false);
+        assert_eq!(s.snapshot_sent().expect("first"), Vec::<String>::new());
+        s.added("c", true);
+        // reconnect: the new snapshot names a (Add) and b (Keep) only
+        s.connected();
+        assert!(!s.snapshot_received());
+        s.added("a", true);
+        s.kept("b").expect("keep before snapshot");
+        assert_eq!(s.snapshot_sent().expect("second"), ["c"]);
+        assert!(s.snapshot_received());
+        // c is gone; a third connection with an empty snapshot drops a and b
+        s.connected();
+        assert_eq!(s.snapshot_sent().expect("third"), ["a", "b"]);
+    }
+
+    #[test]
+    fn del_before_snapshot_unnames_the_workload() {
+        let mut s = SnapshotState::default();
+        s.added("a", true);
+        s.snapshot_sent().expect("snapshot");
+        s.connected();
+        s.added("a", true);
+        s.deleted("a");
+        assert!(s.snapshot_sent().expect("snapshot").is_empty());
+        s.connected();
+        assert!(
+            s.snapshot_sent().expect("snapshot").is_empty(),
+            "a was deleted"
+        );
+    }
+
+    #[test]
+    fn keep_after_snapshot_and_second_snapshot_are_protocol_errors() {
+        let mut s = SnapshotState::default();
+        s.snapshot_sent().expect("first");
+        let e = s.kept("x").expect_err("keep after snapshot");
+        assert!(
+            e.is_fatal() && e.to_string().contains("KeepWorkload x"),
+            "{e}"
+        );
+        let e = s.snapshot_sent().expect_err("twice");
+        assert!(matches!(e, ClientError::SnapshotTwice) && e.is_fatal());
+    }
+}

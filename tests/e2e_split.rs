@@ -1,0 +1,320 @@
+//! End to end with the agent and the proxy as two processes joined by the ZDS socket (`ztnode agent`
+//! and `ztnode proxy`, as istio-cni and ztunnel), in a lab node with pods attached through the real
+//! CNI chain. The server pod is added while no proxy is connected: its ADD fails closed, but the agent
+//! keeps it and the proxy, started afterwards, gets it from the snapshot. A killed and restarted
+//! proxy gets both pods again.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use ztnode::cnichain::Attachment;
+use ztnode::lab::{self, Lab, LabOptions, ProcessGuard};
+use ztnode::netns::Netns;
+
+const SUBNET: &str = "10.248.0.0/24";
+
+/// A pod netns attached by hand through the lab's chain (the lab's own `add_pod` undoes a failed
+/// ADD, as a runtime retrying would). Dropped before the lab: CNI DEL, then the netns is deleted.
+struct ManualPod<'a> {
+    lab: &'a Lab,
+    att: Attachment,
+    netns_name: String,
+}
+
+impl Drop for ManualPod<'_> {
+    fn drop(&mut self) {
+        let _ = self.lab.runner().del(&self.att, None);
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.netns_name])
+            .status();
+    }
+}
+
+fn manual_pod<'a>(lab: &'a Lab, prefix: &str, name: &str) -> ManualPod<'a> {
+    let netns_name = format!("{prefix}-{name}");
+    let _ = Command::new("ip")
+        .args(["netns", "del", &netns_name])
+        .stderr(Stdio::null())
+        .status();
+    let ok = Command::new("ip")
+        .args(["netns", "add", &netns_name])
+        .status()
+        .expect("ip netns add")
+        .success();
+    assert!(ok, "ip netns add {netns_name}");
+    let att = Attachment {
+        container_id: netns_name.clone(),
+        netns: PathBuf::from(format!("/var/run/netns/{netns_name}")),
+        ifname: "eth0".into(),
+        args: vec![
+            ("IgnoreUnknown".into(), "1".into()),
+            ("K8S_POD_NAMESPACE".into(), "default".into()),
+            ("K8S_POD_NAME".into(), name.into()),
+            ("K8S_POD_INFRA_CONTAINER_ID".into(), netns_name.clone()),
+            (
+                "K8S_POD_UID".into(),
+                format!("{:08x}-0000-4000-8000-00000000beef", std::process::id()),
+            ),
+        ],
+    };
+    let pod = ManualPod {
+        lab,
+        att,
+        netns_name,
+    };
+    let ok = Command::new("ip")
+        .args(["-n", &pod.netns_name, "link", "set", "lo", "up"])
+        .status()
+        .expect("ip link")
+        .success();
+    assert!(ok, "lo up");
+    pod
+}
+
+fn log_text(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_default()
+}
+
+/// Waits until the log at `path` has a line matching all `needles`; returns it.
+fn wait_log(path: &Path, needles: &[&str], timeout: Duration) -> String {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let text = log_text(path);
+        if let Some(l) = text.lines().find(|l| needles.iter().all(|n| l.contains(n))) {
+            return l.to_owned();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no line with {needles:?} in {}:\n{text}",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn ruleset(netns_name: &str) -> String {
+    let out = Command::new("ip")
+        .args(["netns", "exec", netns_name, "nft", "list", "ruleset"])
+        .output()
+        .expect("nft");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn ipv4_of(netns_name: &str) -> IpAddr {
+    let out = Command::new("ip")
+        .args(["-n", netns_name, "-4", "-o", "addr", "show", "dev", "eth0"])
+        .output()
+        .expect("ip addr");
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.split_whitespace()
+        .skip_while(|w| *w != "inet")
+        .nth(1)
+        .and_then(|a| a.split('/').next())
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("no IPv4 on eth0 in {netns_name}: {text}"))
+}
+
+struct Proxy {
+    process: ProcessGuard,
+    log: PathBuf,
+}
+
+impl Proxy {
+    /// SIGKILL (no graceful shutdown), then reap.
+    fn kill(mut self) {
+        self.process.0.kill().expect("kill proxy");
+        let _ = self.process.0.wait();
+    }
+}
+
+/// Removes the run dir when dropped.
+struct RunDir(PathBuf);
+
+impl Drop for RunDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Starts `ztnode proxy` in the node netns and waits until it has received the agent's snapshot.
+fn start_proxy(lab: &Lab, config: &Path, run_dir: &Path, zds: &Path, log: PathBuf) -> Proxy {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ztnode"));
+    cmd.arg("proxy")
+        .arg("--config")
+        .arg(config)
+        .arg("--run-dir")
+        .arg(run_dir)
+        .env("INPOD_UDS", zds)
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).expect("proxy log"));
+    let process = ProcessGuard(lab.spawn_in_node(cmd).expect("spawn ztnode proxy"));
+    wait_log(&log, &["snapshot received"], Duration::from_secs(20));
+    Proxy { process, log }
+}
+
+/// Echoes one connection on `addr` inside `ns`; returns what it read and the peer address.
+fn echo_once(ns: &Netns, addr: SocketAddr) -> std::thread::JoinHandle<(Vec<u8>, SocketAddr)> {
+    let listener = Lab::listen_in(ns, addr).expect("listen");
+    std::thread::spawn(move || {
+        let (mut s, peer) = listener.accept().expect("accept");
+        let mut buf = Vec::new();
+        s.read_to_end(&mut buf).expect("read");
+        s.write_all(&buf).expect("echo");
+        (buf, peer)
+    })
+}
+
+/// Sends `msg` from `client_ns` to `app`, checks the echo and the source address the app saw, and
+/// checks both access-log lines in `log` name both identities.
+fn round_trip(
+    client_ns: &Netns,
+    server_ns: &Netns,
+    app: SocketAddr,
+    client_ip: IpAddr,
+    log: &Path,
+) {
+    let msg = format!("hello over hbone to port {}", app.port());
+    let echo = echo_once(server_ns, app);
+    let mut c = Lab::connect_from(client_ns, app).expect("connect");
+    c.write_all(msg.as_bytes()).expect("write");
+    c.shutdown(std::net::Shutdown::Write).expect("half close");
+    let mut back = Vec::new();
+    c.read_to_end(&mut back).expect("read echo");
+    assert_eq!(back, msg.as_bytes());
+    let (got, peer) = echo.join().expect("echo thread");
+    assert_eq!(got, msg.as_bytes());
+    assert_eq!(
+        peer.ip(),
+        client_ip,
+        "the app must see the client's real IP"
+    );
+    let dst = format!("dst.addr={app}");
+    for dir in ["direction=\"outbound\"", "direction=\"inbound\""] {
+        let line = wait_log(
+            log,
+            &["connection complete", dir, &dst],
+            Duration::from_secs(5),
+        );
+        for id in [
+            "spiffe://cluster.local/ns/default/sa/alice",
+            "spiffe://cluster.local/ns/default/sa/bob",
+        ] {
+            assert!(line.contains(id), "{dir} line lacks {id}: {line}");
+        }
+    }
+}
+
+#[test]
+fn agent_and_proxy_as_separate_processes_over_zds() {
+    if !common::privileged("agent_and_proxy_as_separate_processes_over_zds") {
+        return;
+    }
+    let prefix = common::prefix("e2s");
+    let run_dir = std::env::temp_dir().join(format!("ztnode-e2e-run-{prefix}"));
+    let _ = std::fs::remove_dir_all(&run_dir);
+    let _run_dir = RunDir(run_dir.clone());
+    let lab = Lab::new(LabOptions {
+        prefix: prefix.clone(),
+        ztnode_binary: Some(env!("CARGO_BIN_EXE_ztnode").into()),
+        run_dir: run_dir.clone(),
+        subnet: SUBNET.into(),
+        cni_version: "1.0.0".into(),
+    })
+    .expect("lab");
+    // host-local hands out addresses in order: the server pod is attached first
+    let server_ip: IpAddr = "10.248.0.2".parse().expect("ip");
+    let client_ip: IpAddr = "10.248.0.3".parse().expect("ip");
+    let config = lab.dir().join("local-config.yaml");
+    std::fs::write(
+        &config,
+        lab::local_config(
+            &prefix,
+            &[
+                ("client", "default", "alice", client_ip),
+                ("server", "default", "bob", server_ip),
+            ],
+        ),
+    )
+    .expect("write config");
+    let zds = run_dir.join("ztunnel.sock");
+
+    let agent_log = lab.dir().join("agent.log");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ztnode"));
+    cmd.arg("agent")
+        .arg("--config")
+        .arg(&config)
+        .arg("--run-dir")
+        .arg(&run_dir)
+        .arg("--no-install")
+        .env("ZTUNNEL_UDS_ADDRESS", &zds)
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&agent_log).expect("agent log"));
+    let _agent = ProcessGuard(lab.spawn_in_node(cmd).expect("spawn ztnode agent"));
+    wait_log(
+        &agent_log,
+        &["plugin event socket ready"],
+        Duration::from_secs(15),
+    );
+    assert!(zds.exists(), "ZDS socket at {}", zds.display());
+
+    // no proxy yet: the server's ADD fails closed (rules in, no proxy), the agent keeps the pod
+    let server = manual_pod(&lab, &prefix, "server");
+    let err = lab
+        .runner()
+        .add(&server.att)
+        .expect_err("ADD without a proxy");
+    assert!(err.to_string().contains("no ztunnel connection"), "{err}");
+    assert_eq!(ipv4_of(&server.netns_name), server_ip);
+    assert!(
+        ruleset(&server.netns_name).contains("redirect to :15006"),
+        "fail closed: rules stay in the pod"
+    );
+
+    // the proxy starts afterwards and gets the server from the snapshot
+    let proxy = start_proxy(&lab, &config, &run_dir, &zds, lab.dir().join("proxy1.log"));
+    wait_log(
+        &proxy.log,
+        &["pod proxy listening", "sa/bob"],
+        Duration::from_secs(5),
+    );
+    let client = lab.add_pod("client", "default").expect("add client");
+    assert_eq!(client.ip, client_ip, "host-local allocation order");
+
+    let server_ns = Netns::open(&server.att.netns).expect("server netns");
+    let client_ns = Netns::open(&client.netns_path).expect("client netns");
+    round_trip(
+        &client_ns,
+        &server_ns,
+        SocketAddr::new(server_ip, 8080),
+        client_ip,
+        &proxy.log,
+    );
+
+    // kill the proxy and start it again: it reconnects and gets both pods from the snapshot
+    proxy.kill();
+    let proxy = start_proxy(&lab, &config, &run_dir, &zds, lab.dir().join("proxy2.log"));
+    let started = log_text(&proxy.log)
+        .lines()
+        .filter(|l| l.contains("pod proxy listening"))
+        .count();
+    assert_eq!(started, 2, "both pods from the snapshot");
+    wait_log(
+        &agent_log,
+        &["snapshot sent", "pods=2"],
+        Duration::from_secs(5),
+    );
+    round_trip(
+        &client_ns,
+        &server_ns,
+        SocketAddr::new(server_ip, 8081),
+        client_ip,
+        &proxy.log,
+    );
+}
