@@ -83,14 +83,21 @@ fn settle_rss(pid: u32) -> anyhow::Result<u64> {
 }
 
 fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
-    anyhow::ensure!(nix::unistd::geteuid().is_root(), "the benchmark builds network namespaces: run it as root");
+    anyhow::ensure!(
+        nix::unistd::geteuid().is_root(),
+        "the benchmark builds network namespaces: run it as root"
+    );
     anyhow::ensure!(opts.pods >= 2, "--pods must be at least 2");
     crate::raise_nofile_limit();
     for name in ["node", "d-client", "d-server", "m-client", "m-server"] {
-        let _ = Command::new("ip").args(["netns", "del", &format!("{PREFIX}-{name}")]).output();
+        let _ = Command::new("ip")
+            .args(["netns", "del", &format!("{PREFIX}-{name}")])
+            .output();
     }
     let exe = std::env::current_exe()?;
-    let run_dir = std::env::temp_dir().join(format!("ztnode-lab-{PREFIX}")).join("run");
+    let run_dir = std::env::temp_dir()
+        .join(format!("ztnode-lab-{PREFIX}"))
+        .join("run");
     let lab = Lab::new(LabOptions {
         prefix: PREFIX.into(),
         ztnode_binary: Some(exe.clone()),
@@ -99,12 +106,17 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
         cni_version: "1.0.0".into(),
     })?;
     // pods in allocation order: d-client, d-server, m-client, m-server, p002..
-    let mut mesh: Vec<(String, IpAddr)> = vec![("m-client".into(), pod_ip(2)), ("m-server".into(), pod_ip(3))];
+    let mut mesh: Vec<(String, IpAddr)> = vec![
+        ("m-client".into(), pod_ip(2)),
+        ("m-server".into(), pod_ip(3)),
+    ];
     for i in 2..opts.pods {
         mesh.push((format!("p{i:03}"), pod_ip(i + 2)));
     }
-    let entries: Vec<(&str, &str, &str, IpAddr)> =
-        mesh.iter().map(|(n, ip)| (n.as_str(), "bench", n.as_str(), *ip)).collect();
+    let entries: Vec<(&str, &str, &str, IpAddr)> = mesh
+        .iter()
+        .map(|(n, ip)| (n.as_str(), "bench", n.as_str(), *ip))
+        .collect();
     let config = lab.dir().join("local-config.yaml");
     std::fs::write(&config, lab::local_config(PREFIX, &entries))?;
     let log = lab.dir().join("node.log");
@@ -122,7 +134,11 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
     let pid = node.0.id();
     let deadline = Instant::now() + Duration::from_secs(15);
     while !run_dir.join("pluginevent.sock").exists() {
-        anyhow::ensure!(Instant::now() < deadline, "ztnode node did not start; see {}", log.display());
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "ztnode node did not start; see {}",
+            log.display()
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     eprintln!("bench: node up (pid {pid}); adding pods");
@@ -130,7 +146,10 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
     let d_server = lab.add_pod("d-server", "bench")?;
     let m_client = lab.add_pod("m-client", "bench")?;
     let m_server = lab.add_pod("m-server", "bench")?;
-    anyhow::ensure!(m_client.ip == pod_ip(2) && m_server.ip == pod_ip(3), "unexpected pod IPs");
+    anyhow::ensure!(
+        m_client.ip == pod_ip(2) && m_server.ip == pod_ip(3),
+        "unexpected pod IPs"
+    );
     let rss_2 = settle_rss(pid)?;
 
     let mut plugin_ms = Vec::new();
@@ -142,7 +161,12 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
                 plugin_ms.push(d.as_secs_f64() * 1e3);
             }
         }
-        chain_ms.push(pod.add_timings.iter().map(|(_, d)| d.as_secs_f64() * 1e3).sum::<f64>());
+        chain_ms.push(
+            pod.add_timings
+                .iter()
+                .map(|(_, d)| d.as_secs_f64() * 1e3)
+                .sum::<f64>(),
+        );
     }
     plugin_ms.sort_by(f64::total_cmp);
     chain_ms.sort_by(f64::total_cmp);
@@ -152,7 +176,11 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
     if !opts.hold.is_zero() {
         eprintln!(
             "bench: holding {:?}: node pid {pid}, pods {} {} (mesh) and {} {} (direct)",
-            opts.hold, m_client.netns_name, m_server.netns_name, d_client.netns_name, d_server.netns_name
+            opts.hold,
+            m_client.netns_name,
+            m_server.netns_name,
+            d_client.netns_name,
+            d_server.netns_name
         );
         std::thread::sleep(opts.hold);
     }
@@ -161,34 +189,128 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
     for streams in [1usize, 8] {
         let direct = iperf(&d_client, &d_server, streams, secs)?;
         let mesh_v = iperf(&m_client, &m_server, streams, secs)?;
-        rows.push(Row::new(format!("throughput {streams} stream(s)"), "Gbit/s", direct, mesh_v, true));
+        rows.push(Row::new(
+            format!("throughput {streams} stream(s)"),
+            "Gbit/s",
+            direct,
+            mesh_v,
+            true,
+        ));
     }
     let (d50, d99) = latency(&d_client, &d_server, opts.round_trips)?;
     let (m50, m99) = latency(&m_client, &m_server, opts.round_trips)?;
-    rows.push(Row::new("1 KiB round trip p50".into(), "µs", d50, m50, false));
-    rows.push(Row::new("1 KiB round trip p99".into(), "µs", d99, m99, false));
+    rows.push(Row::new(
+        "1 KiB round trip p50".into(),
+        "µs",
+        d50,
+        m50,
+        false,
+    ));
+    rows.push(Row::new(
+        "1 KiB round trip p99".into(),
+        "µs",
+        d99,
+        m99,
+        false,
+    ));
     let dc = conn_rate(&d_client, &d_server, opts.duration)?;
     let mc = conn_rate(&m_client, &m_server, opts.duration)?;
-    rows.push(Row::new("connect + 1 KiB RTT + close".into(), "conn/s", dc, mc, true));
+    rows.push(Row::new(
+        "connect + 1 KiB RTT + close".into(),
+        "conn/s",
+        dc,
+        mc,
+        true,
+    ));
 
     let (rss_conns, rss_after) = idle_connections(&m_client, &m_server, opts.idle_conns, pid)?;
-    let per_conn = (rss_conns.saturating_sub(rss_n)) as f64 * 1024.0 / opts.idle_conns.max(1) as f64;
+    let per_conn =
+        (rss_conns.saturating_sub(rss_n)) as f64 * 1024.0 / opts.idle_conns.max(1) as f64;
 
-    println!("\nztnode bench ({}s per throughput/rate figure, {} round trips, 2 cores shared by everything)", secs, opts.round_trips);
-    println!("{:<32} {:>12} {:>12} {:>10}", "figure", "direct", "ztnode", "ratio");
+    println!(
+        "\nztnode bench ({}s per throughput/rate figure, {} round trips, 2 cores shared by everything)",
+        secs, opts.round_trips
+    );
+    println!(
+        "{:<32} {:>12} {:>12} {:>10}",
+        "figure", "direct", "ztnode", "ratio"
+    );
     for r in &rows {
-        println!("{:<32} {:>12.2} {:>12.2} {:>9.2}x  {}", r.name, r.direct, r.mesh, r.ratio, r.unit);
+        println!(
+            "{:<32} {:>12.2} {:>12.2} {:>9.2}x  {}",
+            r.name, r.direct, r.mesh, r.ratio, r.unit
+        );
     }
-    println!("{:<32} {:>12} {:>12.2} {:>10}", "added RTT p50 (µs)", "", m50 - d50, "");
-    println!("{:<32} {:>12} {:>12.2} {:>10}", "added RTT p99 (µs)", "", m99 - d99, "");
-    println!("{:<32} {:>12} {:>12.1} {:>10}", "RSS idle, 2 pods (MiB)", "", rss_2 as f64 / 1024.0, "");
-    println!("{:<32} {:>12} {:>12.1} {:>10}", format!("RSS idle, {} pods (MiB)", opts.pods), "", rss_n as f64 / 1024.0, "");
-    println!("{:<32} {:>12} {:>12.1} {:>10}", format!("RSS, {} idle conns (MiB)", opts.idle_conns), "", rss_conns as f64 / 1024.0, "");
-    println!("{:<32} {:>12} {:>12.2} {:>10}", "per idle connection (KiB)", "", per_conn / 1024.0, "");
-    println!("{:<32} {:>12} {:>12.1} {:>10}", "RSS after they closed (MiB)", "", rss_after as f64 / 1024.0, "");
-    println!("{:<32} {:>12} {:>12.2} {:>10}", "ztnode-cni ADD p50 (ms)", "", percentile(&plugin_ms, 0.5), "");
-    println!("{:<32} {:>12} {:>12.2} {:>10}", "ztnode-cni ADD p99 (ms)", "", percentile(&plugin_ms, 0.99), "");
-    println!("{:<32} {:>12} {:>12.2} {:>10}", "whole chain ADD p50 (ms)", "", percentile(&chain_ms, 0.5), "");
+    println!(
+        "{:<32} {:>12} {:>12.2} {:>10}",
+        "added RTT p50 (µs)",
+        "",
+        m50 - d50,
+        ""
+    );
+    println!(
+        "{:<32} {:>12} {:>12.2} {:>10}",
+        "added RTT p99 (µs)",
+        "",
+        m99 - d99,
+        ""
+    );
+    println!(
+        "{:<32} {:>12} {:>12.1} {:>10}",
+        "RSS idle, 2 pods (MiB)",
+        "",
+        rss_2 as f64 / 1024.0,
+        ""
+    );
+    println!(
+        "{:<32} {:>12} {:>12.1} {:>10}",
+        format!("RSS idle, {} pods (MiB)", opts.pods),
+        "",
+        rss_n as f64 / 1024.0,
+        ""
+    );
+    println!(
+        "{:<32} {:>12} {:>12.1} {:>10}",
+        format!("RSS, {} idle conns (MiB)", opts.idle_conns),
+        "",
+        rss_conns as f64 / 1024.0,
+        ""
+    );
+    println!(
+        "{:<32} {:>12} {:>12.2} {:>10}",
+        "per idle connection (KiB)",
+        "",
+        per_conn / 1024.0,
+        ""
+    );
+    println!(
+        "{:<32} {:>12} {:>12.1} {:>10}",
+        "RSS after they closed (MiB)",
+        "",
+        rss_after as f64 / 1024.0,
+        ""
+    );
+    println!(
+        "{:<32} {:>12} {:>12.2} {:>10}",
+        "ztnode-cni ADD p50 (ms)",
+        "",
+        percentile(&plugin_ms, 0.5),
+        ""
+    );
+    println!(
+        "{:<32} {:>12} {:>12.2} {:>10}",
+        "ztnode-cni ADD p99 (ms)",
+        "",
+        percentile(&plugin_ms, 0.99),
+        ""
+    );
+    println!(
+        "{:<32} {:>12} {:>12.2} {:>10}",
+        "whole chain ADD p50 (ms)",
+        "",
+        percentile(&chain_ms, 0.5),
+        ""
+    );
 
     let report = json!({
         "duration_secs": secs,
@@ -216,17 +338,38 @@ struct Row {
 }
 
 impl Row {
-    fn new(name: String, unit: &'static str, direct: f64, mesh: f64, higher_is_better: bool) -> Row {
+    fn new(
+        name: String,
+        unit: &'static str,
+        direct: f64,
+        mesh: f64,
+        higher_is_better: bool,
+    ) -> Row {
         let _ = higher_is_better;
         let ratio = if direct > 0.0 { mesh / direct } else { 0.0 };
-        Row { name, unit, direct, mesh, ratio }
+        Row {
+            name,
+            unit,
+            direct,
+            mesh,
+            ratio,
+        }
     }
 }
 
 fn iperf(client: &Pod, server: &Pod, streams: usize, secs: u64) -> anyhow::Result<f64> {
     let port = "5201";
     let srv = Command::new("ip")
-        .args(["netns", "exec", &server.netns_name, "iperf3", "-s", "-1", "-p", port])
+        .args([
+            "netns",
+            "exec",
+            &server.netns_name,
+            "iperf3",
+            "-s",
+            "-1",
+            "-p",
+            port,
+        ])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -234,15 +377,31 @@ fn iperf(client: &Pod, server: &Pod, streams: usize, secs: u64) -> anyhow::Resul
     let _srv = ProcessGuard(srv);
     std::thread::sleep(Duration::from_millis(300));
     let out = Command::new("ip")
-        .args(["netns", "exec", &client.netns_name, "iperf3", "-c", &server.ip.to_string(), "-p", port, "-J"])
+        .args([
+            "netns",
+            "exec",
+            &client.netns_name,
+            "iperf3",
+            "-c",
+            &server.ip.to_string(),
+            "-p",
+            port,
+            "-J",
+        ])
         .args(["-t", &secs.to_string(), "-P", &streams.to_string()])
         .output()?;
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("iperf3 JSON")?;
-    let bps = v["end"]["sum_received"]["bits_per_second"].as_f64().context("iperf3 result")?;
+    let bps = v["end"]["sum_received"]["bits_per_second"]
+        .as_f64()
+        .context("iperf3 result")?;
     Ok(bps / 1e9)
 }
 
-fn echo_server(server: &Pod, port: u16, close_after_reply: bool) -> anyhow::Result<(SocketAddr, std::thread::JoinHandle<()>)> {
+fn echo_server(
+    server: &Pod,
+    port: u16,
+    close_after_reply: bool,
+) -> anyhow::Result<(SocketAddr, std::thread::JoinHandle<()>)> {
     let ns = Netns::open(&server.netns_path)?;
     let addr = SocketAddr::new(server.ip, port);
     let listener = Lab::listen_in(&ns, addr)?;
@@ -346,7 +505,9 @@ fn idle_connections(client: &Pod, server: &Pod, n: usize, pid: u32) -> anyhow::R
         }
         Ok(v)
     })??;
-    let held = acceptor.join().map_err(|_| anyhow::anyhow!("acceptor panicked"))?;
+    let held = acceptor
+        .join()
+        .map_err(|_| anyhow::anyhow!("acceptor panicked"))?;
     let rss = settle_rss(pid)?;
     drop(conns);
     drop(held);

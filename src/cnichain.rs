@@ -128,7 +128,10 @@ impl ChainRunner {
 
     /// CNI ADD through the whole chain; returns the final result and each plugin's exec time
     /// (spawn until it exited), in chain order.
-    pub fn add_timed(&self, att: &Attachment) -> Result<(Value, Vec<(String, std::time::Duration)>), ChainError> {
+    pub fn add_timed(
+        &self,
+        att: &Attachment,
+    ) -> Result<(Value, Vec<(String, std::time::Duration)>), ChainError> {
         let mut prev: Option<Value> = None;
         let mut timings = Vec::new();
         for plugin in self.plugins() {

@@ -5,6 +5,7 @@
 //! Shared bottom modules ([`netns`], [`podevent`], [`zds`], [`nft`]) never import a role.
 
 pub mod agent;
+pub mod bench;
 pub mod cnichain;
 pub mod demo;
 pub mod lab;
@@ -16,7 +17,6 @@ pub mod plugin;
 pub mod podevent;
 pub mod proxy;
 pub mod zds;
-pub mod bench;
 
 /// Raises the soft `RLIMIT_NOFILE` to the hard limit (as ztunnel does at start): a proxy holds two
 /// sockets per proxied connection.

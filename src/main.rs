@@ -218,7 +218,11 @@ async fn shutdown_signal() {
 
 /// Data-plane worker threads: `ZTUNNEL_WORKER_THREADS` (ztunnel's name), default 2.
 fn worker_threads() -> usize {
-    std::env::var("ZTUNNEL_WORKER_THREADS").ok().and_then(|v| v.parse().ok()).filter(|n| *n > 0).unwrap_or(2)
+    std::env::var("ZTUNNEL_WORKER_THREADS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|n| *n > 0)
+        .unwrap_or(2)
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
@@ -274,7 +278,14 @@ fn run(cmd: Cmd) -> anyhow::Result<i32> {
             Ok(0)
         }
         Cmd::Demo { verbose } => Ok(ztnode::demo::run(verbose)),
-        Cmd::Bench { duration, round_trips, pods, idle_conns, json, hold } => Ok(ztnode::bench::run(ztnode::bench::BenchOptions {
+        Cmd::Bench {
+            duration,
+            round_trips,
+            pods,
+            idle_conns,
+            json,
+            hold,
+        } => Ok(ztnode::bench::run(ztnode::bench::BenchOptions {
             hold: Duration::from_secs(hold),
             duration: Duration::from_secs(duration),
             round_trips,

@@ -10,7 +10,9 @@ use std::io;
 
 use bytes::{Bytes, BytesMut};
 use h2::{RecvStream, SendStream};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 
 /// Initial read buffer, bytes.
 const SMALL_BUF: usize = 16 * 1024;
@@ -46,47 +48,82 @@ fn is_clean_reset(e: &h2::Error) -> bool {
 }
 
 /// Copies `reader` into the HBONE `send` stream, ending it with END_STREAM on EOF. Returns bytes copied.
-pub async fn tcp_to_h2<R: AsyncRead + Unpin>(
-    mut reader: R,
-    mut send: SendStream<Bytes>,
-) -> io::Result<u64> {
-    let mut buf = BytesMut::with_capacity(SMALL_BUF);
+///
+/// No buffer is held while the connection is idle: the read buffer is allocated once the socket is
+/// readable and handed to h2 whole (zero-copy), so an idle connection costs no user-space memory.
+pub async fn tcp_to_h2(reader: OwnedReadHalf, mut send: SendStream<Bytes>) -> io::Result<u64> {
     let mut total = 0u64;
     loop {
+        reader.readable().await?;
         let want = if total >= GROW_AFTER {
             LARGE_BUF
         } else {
             SMALL_BUF
         };
-        if buf.capacity() < want / 2 {
-            buf.reserve(want);
-        }
-        let n = reader.read_buf(&mut buf).await?;
+        let mut buf = BytesMut::with_capacity(want);
+        let n = match reader.try_read_buf(&mut buf) {
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        };
         if n == 0 {
             send.send_data(Bytes::new(), true).map_err(h2_io)?;
             return Ok(total);
         }
         total += n as u64;
-        let mut chunk = buf.split().freeze();
+        let mut chunk = buf.freeze();
         while !chunk.is_empty() {
-            send.reserve_capacity(chunk.len());
-            let cap = match poll_fn(|cx| send.poll_capacity(cx)).await {
-                Some(Ok(cap)) => cap,
-                Some(Err(e)) => return Err(h2_io(e)),
-                None => {
-                    return Err(io::Error::new(
-                        io::ErrorKind::BrokenPipe,
-                        "HBONE stream closed",
-                    ));
-                }
-            };
-            if cap == 0 {
-                continue;
-            }
+            let cap = capacity(&mut send, chunk.len()).await?;
             let part = chunk.split_to(cap.min(chunk.len()));
             send.send_data(part, false).map_err(h2_io)?;
         }
     }
+}
+
+/// Waits until the stream may send at least one byte of `want`; returns the capacity granted.
+async fn capacity(send: &mut SendStream<Bytes>, want: usize) -> io::Result<usize> {
+    send.reserve_capacity(want);
+    loop {
+        let cap = send.capacity();
+        if cap > 0 {
+            return Ok(cap);
+        }
+        match poll_fn(|cx| send.poll_capacity(cx)).await {
+            Some(Ok(_)) => {}
+            Some(Err(e)) => return Err(h2_io(e)),
+            None => {
+                return Err(io::Error::new(
+                    io::ErrorKind::BrokenPipe,
+                    "HBONE stream closed",
+                ));
+            }
+        }
+    }
+}
+
+/// Copies `reader` into `writer` until EOF, then half-closes `writer`; buffers only while data flows.
+async fn tcp_to_tcp(reader: OwnedReadHalf, mut writer: OwnedWriteHalf) -> io::Result<u64> {
+    let mut total = 0u64;
+    loop {
+        reader.readable().await?;
+        let want = if total >= GROW_AFTER {
+            LARGE_BUF
+        } else {
+            SMALL_BUF
+        };
+        let mut buf = BytesMut::with_capacity(want);
+        match reader.try_read_buf(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => {
+                total += n as u64;
+                writer.write_all(&buf).await?;
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    writer.shutdown().await?;
+    Ok(total)
 }
 
 /// Copies the HBONE `recv` stream into `writer`, half-closing it at END_STREAM. Returns bytes copied.
@@ -113,34 +150,38 @@ pub async fn h2_to_tcp<W: AsyncWrite + Unpin>(
 }
 
 /// Relays between a TCP connection and an HBONE stream in both directions (see module docs).
-pub async fn relay_h2<S>(
-    tcp: S,
+pub async fn relay_h2(
+    tcp: TcpStream,
     send: SendStream<Bytes>,
     recv: RecvStream,
-) -> io::Result<Transferred>
-where
-    S: AsyncRead + AsyncWrite,
-{
-    let (rd, wr) = tokio::io::split(tcp);
+) -> io::Result<Transferred> {
+    let (rd, wr) = tcp.into_split();
     let (sent, received) = tokio::try_join!(tcp_to_h2(rd, send), h2_to_tcp(recv, wr))?;
     Ok(Transferred { sent, received })
 }
 
 /// Relays between two TCP connections (plain passthrough), half-close propagated.
-pub async fn relay_tcp(
-    mut local: tokio::net::TcpStream,
-    mut remote: tokio::net::TcpStream,
-) -> io::Result<Transferred> {
-    let (sent, received) =
-        tokio::io::copy_bidirectional_with_sizes(&mut local, &mut remote, SMALL_BUF, SMALL_BUF)
-            .await?;
+pub async fn relay_tcp(local: TcpStream, remote: TcpStream) -> io::Result<Transferred> {
+    let (lr, lw) = local.into_split();
+    let (rr, rw) = remote.into_split();
+    let (sent, received) = tokio::try_join!(tcp_to_tcp(lr, rw), tcp_to_tcp(rr, lw))?;
     Ok(Transferred { sent, received })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tokio::io::duplex;
+    use tokio::io::{AsyncReadExt, duplex};
+
+    /// A connected loopback TCP pair.
+    async fn tcp_pair() -> (TcpStream, TcpStream) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = l.local_addr().expect("addr");
+        let (a, b) = tokio::join!(TcpStream::connect(addr), l.accept());
+        (a.expect("connect"), b.expect("accept").0)
+    }
 
     /// Builds an in-memory h2 client/server pair and returns (client send+recv, server send+recv).
     async fn h2_pair() -> (
@@ -179,7 +220,7 @@ mod tests {
     #[tokio::test]
     async fn relays_both_ways_with_half_close() {
         let ((c_send, c_recv), (s_send, s_recv)) = h2_pair().await;
-        let (app, proxy_side) = duplex(64 * 1024);
+        let (app, proxy_side) = tcp_pair().await;
         let relay = tokio::spawn(relay_h2(proxy_side, c_send, c_recv));
         // the "peer" echoes everything it gets, then ends its side
         let peer = tokio::spawn(async move {
@@ -197,7 +238,7 @@ mod tests {
                 .expect("echo");
             got.len()
         });
-        let (mut r, mut w) = tokio::io::split(app);
+        let (mut r, mut w) = app.into_split();
         let payload = vec![7u8; 3 * 1024 * 1024 + 5];
         w.write_all(&payload).await.expect("write");
         w.shutdown().await.expect("half close");
@@ -218,7 +259,7 @@ mod tests {
     #[tokio::test]
     async fn reset_from_peer_ends_the_relay_with_error() {
         let ((c_send, c_recv), (mut s_send, _s_recv)) = h2_pair().await;
-        let (_app, proxy_side) = duplex(1024);
+        let (_app, proxy_side) = tcp_pair().await;
         let relay = tokio::spawn(relay_h2(proxy_side, c_send, c_recv));
         s_send.send_reset(h2::Reason::INTERNAL_ERROR);
         let res = relay.await.expect("relay task");
