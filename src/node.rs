@@ -7,6 +7,7 @@
 //! (`:15020/metrics`) endpoints. Ends cleanly when `shutdown` resolves (SIGTERM/SIGINT in `main`).
 
 pub mod admin;
+pub mod ready;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -62,7 +63,13 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<()> {
     tracing::info!(?cfg, "starting ztnode node");
+    let ready = ready::Readiness::new();
+    let (config_ready, socket_ready) = (
+        ready.register("local config"),
+        ready.register("plugin socket"),
+    );
     let state = StateHandle::new(state::load_config_file(&cfg.config).context("local config")?);
+    config_ready.done();
     tokio::spawn(state::watch_config_file(
         cfg.config.clone(),
         state.clone(),
@@ -97,6 +104,9 @@ pub async fn run(
             })
     });
     let pods = Arc::new(PodManager::new(policy, zds_client, cfg.redirect.clone()));
+    pods.restore(&cfg.run_dir)
+        .await
+        .context("restore enrolled pods")?;
 
     let sock_path = plugin_socket_path(&cfg.run_dir);
     let listener = server::bind(&sock_path)?;
@@ -110,6 +120,7 @@ pub async fn run(
         stopped(stop_rx.clone()),
     ));
     tracing::info!(socket = %sock_path.display(), "plugin event socket ready");
+    socket_ready.done();
 
     if cfg.install {
         let icfg = InstallConfig {
@@ -124,6 +135,13 @@ pub async fn run(
             Ok(outcome) => tracing::info!(?outcome, "CNI plugin installed"),
             Err(e) => tracing::warn!(error = %e, "CNI install not done yet; the watcher retries"),
         }
+        let probe = icfg.clone();
+        let installed = move || install::is_installed(&probe);
+        tokio::spawn(ready::track(
+            ready.register("cni plugin install"),
+            installed,
+            stopped(stop_rx.clone()),
+        ));
         tokio::spawn(install::watch_and_repair(icfg, stopped(stop_rx.clone())));
     }
 
@@ -131,6 +149,7 @@ pub async fn run(
         state,
         proxies: proxies.clone(),
         pods: pods.clone(),
+        ready,
     };
     admin::spawn(
         admin,
