@@ -11,6 +11,7 @@
 //! connects to it. Each ends cleanly when `shutdown` resolves (SIGTERM/SIGINT in `main`).
 
 pub mod admin;
+pub mod ready;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -94,15 +95,24 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<()> {
     tracing::info!(?cfg, "starting ztnode node");
-    let state = load_state(&cfg.config)?;
+    let ready = ready::Readiness::new();
+    let state = load_state(&cfg.config, &ready)?;
     let (stop_tx, stop_rx) = watch::channel(false);
     let (proxies, link) = start_proxy(&cfg.proxy, state.clone())?;
-    let agent = start_agent(&cfg.agent, state.clone(), link.into(), stop_rx.clone()).await?;
+    let agent = start_agent(
+        &cfg.agent,
+        state.clone(),
+        link.into(),
+        &ready,
+        stop_rx.clone(),
+    )
+    .await?;
     serve_admin(
         &cfg.proxy,
         state,
         proxies.clone(),
         Some(agent.pods.clone()),
+        ready,
         stop_rx,
     )
     .await?;
@@ -124,13 +134,14 @@ pub async fn run_agent(
     shutdown: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<()> {
     tracing::info!(?cfg, config = %config.display(), zds_socket = %zds_socket.display(), "starting ztnode agent");
-    let state = load_state(&config)?;
+    let ready = ready::Readiness::new();
+    let state = load_state(&config, &ready)?;
     let (stop_tx, stop_rx) = watch::channel(false);
     let zds_server = ZdsServer::new();
     let listener = zds::server::bind(&zds_socket)?;
     let zds_task = tokio::spawn(zds_server.clone().serve(listener, stopped(stop_rx.clone())));
     tracing::info!(socket = %zds_socket.display(), "ZDS socket ready");
-    let agent = start_agent(&cfg, state, zds_server.into(), stop_rx).await?;
+    let agent = start_agent(&cfg, state, zds_server.into(), &ready, stop_rx).await?;
 
     shutdown.await;
     tracing::info!("shutting down");
@@ -151,10 +162,11 @@ pub async fn run_proxy(
     shutdown: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<()> {
     tracing::info!(?cfg, config = %config.display(), zds_socket = %zds_socket.display(), "starting ztnode proxy");
-    let state = load_state(&config)?;
+    let ready = ready::Readiness::new();
+    let state = load_state(&config, &ready)?;
     let (stop_tx, stop_rx) = watch::channel(false);
     let (proxies, link) = start_proxy(&cfg, state.clone())?;
-    serve_admin(&cfg, state, proxies.clone(), None, stop_rx).await?;
+    serve_admin(&cfg, state, proxies.clone(), None, ready, stop_rx).await?;
     let res = tokio::select! {
         _ = shutdown => Ok(()),
         r = zds::client::run(zds_socket, link, std::future::pending()) => {
@@ -194,17 +206,24 @@ pub async fn start_agent(
     cfg: &AgentConfig,
     state: StateHandle,
     proxy: WorkloadSink,
+    ready: &ready::Readiness,
     stop: watch::Receiver<bool>,
 ) -> anyhow::Result<Agent> {
+    let socket_ready = ready.register("plugin socket");
     let pods = Arc::new(PodManager::new(
         enrollment_policy(state),
         proxy,
         cfg.redirect.clone(),
     ));
+    // Pods enrolled before a restart get their rules and proxy back before new events arrive.
+    pods.restore(&cfg.run_dir)
+        .await
+        .context("restore enrolled pods")?;
     let sock_path = plugin_socket_path(&cfg.run_dir);
     let listener = server::bind(&sock_path)?;
     let server_task = tokio::spawn(server::serve(listener, pods.clone(), stopped(stop.clone())));
     tracing::info!(socket = %sock_path.display(), "plugin event socket ready");
+    socket_ready.done();
 
     if cfg.install {
         let icfg = InstallConfig {
@@ -219,6 +238,12 @@ pub async fn start_agent(
             Ok(outcome) => tracing::info!(?outcome, "CNI plugin installed"),
             Err(e) => tracing::warn!(error = %e, "CNI install not done yet; the watcher retries"),
         }
+        let probe = icfg.clone();
+        tokio::spawn(ready::track(
+            ready.register("cni plugin install"),
+            move || install::is_installed(&probe),
+            stopped(stop.clone()),
+        ));
         tokio::spawn(install::watch_and_repair(icfg, stopped(stop)));
     }
     Ok(Agent {
@@ -252,8 +277,10 @@ fn enrollment_policy(state: StateHandle) -> Arc<dyn EnrollmentPolicy> {
 }
 
 /// Loads the local config and keeps it fresh.
-fn load_state(config: &Path) -> anyhow::Result<StateHandle> {
+fn load_state(config: &Path, ready: &ready::Readiness) -> anyhow::Result<StateHandle> {
+    let loaded = ready.register("local config");
     let state = StateHandle::new(state::load_config_file(config).context("local config")?);
+    loaded.done();
     tokio::spawn(state::watch_config_file(
         config.to_owned(),
         state.clone(),
@@ -267,12 +294,14 @@ async fn serve_admin(
     state: StateHandle,
     proxies: Arc<ProxyManager>,
     pods: Option<Arc<PodManager>>,
+    ready: ready::Readiness,
     stop: watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
     let admin = admin::Admin {
         state,
         proxies,
         pods,
+        ready,
     };
     admin::spawn(
         admin,

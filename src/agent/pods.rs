@@ -6,11 +6,21 @@
 //! table as `pending` (Istio's partial add), so its DEL still removes the rules and tells the proxy
 //! side to forget it. Every step is idempotent: the same ADD twice is harmless, DEL of an unknown pod
 //! succeeds.
+//!
+//! Restart safety (spec §3.2, §5 "Agent restart"): once [`PodManager::restore`] attached the
+//! manager to its run dir, the table is persisted to `<run_dir>/pods.json` on every change
+//! ([`store`]); at the next start `restore` re-applies the rules of every pod whose netns still
+//! exists and re-sends it to the proxy, the way istio-cni replays its snapshot over ZDS.
+
+mod rules;
+pub mod store;
+#[cfg(test)]
+mod tests;
 
 use std::collections::HashMap;
 use std::net::IpAddr;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use serde::Serialize;
 
@@ -19,6 +29,9 @@ use crate::agent::redirect::{self, RedirectPlan};
 use crate::netns::{Netns, NetnsError};
 use crate::podevent::{PodAddEvent, PodDelEvent};
 use crate::zds::{WorkloadInfo, WorkloadRequest, WorkloadSink, ZdsError};
+
+pub use rules::{NftRules, RuleApplier};
+pub use store::{PodRecord, STATE_FILE, Store, StoreError};
 
 /// Errors of the pod lifecycle (the plugin gets them as HTTP 500 text).
 #[derive(Debug, thiserror::Error)]
@@ -56,6 +69,9 @@ pub enum PodError {
     /// A blocking task died.
     #[error("pod {0}: worker task failed")]
     Task(String),
+    /// The persisted pod table could not be read or attached.
+    #[error("pod table: {0}")]
+    Store(#[from] StoreError),
 }
 
 /// Result of an ADD.
@@ -90,12 +106,57 @@ pub struct EnrolledPod {
     handle: Netns,
 }
 
+impl EnrolledPod {
+    /// The pod as stored in `pods.json`.
+    pub fn record(&self) -> PodRecord {
+        PodRecord {
+            uid: self.uid.clone(),
+            name: self.name.clone(),
+            namespace: self.namespace.clone(),
+            service_account: self.service_account.clone(),
+            netns: self.netns.clone(),
+            container_id: self.container_id.clone(),
+            ips: self.ips.clone(),
+            netns_id: Some(self.handle.id().into()),
+        }
+    }
+}
+
+/// What [`PodManager::restore`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RestoreReport {
+    /// Pods whose rules were re-applied and whose proxy was re-added.
+    pub restored: usize,
+    /// Pods dropped because their netns is gone (or its path now names another namespace).
+    pub dropped: usize,
+    /// Pods kept in the table although re-applying their rules or re-adding them to the proxy
+    /// failed (a later ADD retries, a DEL cleans up).
+    pub failed: usize,
+}
+
+/// The pod table with the generation of its last change (orders the writes to disk).
+#[derive(Default)]
+struct Table {
+    pods: HashMap<String, EnrolledPod>,
+    generation: u64,
+}
+
+/// A table change to write: generation and content.
+type Snapshot = (u64, Vec<PodRecord>);
+
 /// The agent's pod table and the flows over it.
 pub struct PodManager {
     policy: Arc<dyn EnrollmentPolicy>,
     zds: WorkloadSink,
-    plan: RedirectPlan,
-    pods: Mutex<HashMap<String, EnrolledPod>>,
+    rules: Arc<dyn RuleApplier>,
+    table: Mutex<Table>,
+    store: OnceLock<Arc<Store>>,
+}
+
+enum Restored {
+    Yes,
+    Dropped,
+    Failed,
 }
 
 impl PodManager {
@@ -106,23 +167,183 @@ impl PodManager {
         zds: impl Into<WorkloadSink>,
         plan: RedirectPlan,
     ) -> PodManager {
+        PodManager::with_rules(policy, zds, Arc::new(NftRules::new(plan)))
+    }
+
+    /// Like [`PodManager::new`] with the redirection done by `rules`.
+    pub fn with_rules(
+        policy: Arc<dyn EnrollmentPolicy>,
+        zds: impl Into<WorkloadSink>,
+        rules: Arc<dyn RuleApplier>,
+    ) -> PodManager {
         PodManager {
             policy,
             zds: zds.into(),
-            plan,
-            pods: Mutex::new(HashMap::new()),
+            rules,
+            table: Mutex::new(Table::default()),
+            store: OnceLock::new(),
         }
     }
 
     /// The enrolled pods, sorted by namespace/name.
     pub fn enrolled(&self) -> Vec<EnrolledPod> {
-        let mut v: Vec<_> = self
-            .pods
-            .lock()
-            .map(|p| p.values().cloned().collect())
-            .unwrap_or_default();
+        let mut v: Vec<_> = self.table().pods.values().cloned().collect();
         v.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
         v
+    }
+
+    /// Attaches the manager to `<run_dir>/pods.json` and brings back the pods a previous agent
+    /// enrolled: for each record whose netns path still opens (and still names the same
+    /// namespace) the rules are re-applied (idempotent) and the pod is re-added to the proxy, then
+    /// `SnapshotSent` is sent; the others are dropped. From then on every ADD and DEL rewrites the
+    /// file. Call once at start, before plugin events are served.
+    ///
+    /// Per-pod failures are logged and counted, not returned. An unreadable or unparsable file is
+    /// logged and treated as empty. Errors: [`StoreError::AlreadyAttached`] on a second call.
+    pub async fn restore(&self, run_dir: &Path) -> Result<RestoreReport, PodError> {
+        let store = Arc::new(Store::new(run_dir));
+        if let Err(other) = self.store.set(store.clone()) {
+            return Err(StoreError::AlreadyAttached(other.path().to_owned()).into());
+        }
+        let loader = store.clone();
+        let records = match tokio::task::spawn_blocking(move || loader.load()).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) => {
+                tracing::error!(error = %e, "cannot read the pod table, starting empty");
+                Vec::new()
+            }
+            Err(_) => return Err(PodError::Task(store.path().display().to_string())),
+        };
+        let mut report = RestoreReport::default();
+        for rec in records {
+            match self.restore_one(rec).await {
+                Restored::Yes => report.restored += 1,
+                Restored::Dropped => report.dropped += 1,
+                Restored::Failed => report.failed += 1,
+            }
+        }
+        let snapshot = self.update(|_| ()).1;
+        self.persist(snapshot).await;
+        if let Err(e) = self.zds.send(WorkloadRequest::SnapshotSent).await {
+            tracing::warn!(error = %e, "proxy did not take the end of the restored snapshot");
+        }
+        tracing::info!(
+            restored = report.restored,
+            dropped = report.dropped,
+            failed = report.failed,
+            file = %store.path().display(),
+            "pod table restored"
+        );
+        Ok(report)
+    }
+
+    async fn restore_one(&self, rec: PodRecord) -> Restored {
+        let pod = format!("{}/{}", rec.namespace, rec.name);
+        let netns = match Netns::open(&rec.netns) {
+            Ok(n) => n,
+            Err(e) => {
+                tracing::info!(%pod, uid = %rec.uid, error = %e, "netns gone, dropping the pod");
+                return Restored::Dropped;
+            }
+        };
+        if let Some(id) = rec.netns_id.map(crate::netns::NetnsId::from)
+            && id != netns.id()
+        {
+            tracing::info!(%pod, uid = %rec.uid, was = %id, now = %netns.id(), "netns path names another namespace, dropping the pod");
+            return Restored::Dropped;
+        }
+        let span = tracing::info_span!("pod", %pod, uid = %rec.uid, netns = %netns.id());
+        let info = WorkloadInfo {
+            name: rec.name.clone(),
+            namespace: rec.namespace.clone(),
+            service_account: rec.service_account.clone(),
+        };
+        let step = async {
+            self.apply_rules(&pod, &netns).await?;
+            self.zds
+                .send(WorkloadRequest::Add {
+                    uid: rec.uid.clone(),
+                    info,
+                    netns: netns.clone(),
+                })
+                .await
+                .map_err(|source| PodError::Proxy {
+                    pod: pod.clone(),
+                    source,
+                })
+        };
+        let outcome = match tracing::Instrument::instrument(step, span.clone()).await {
+            Ok(()) => {
+                tracing::info!(parent: &span, "pod restored: rules re-applied, proxy serving it");
+                Restored::Yes
+            }
+            Err(e) => {
+                tracing::warn!(parent: &span, error = %e, "restoring the pod failed; keeping it for a later ADD or DEL");
+                Restored::Failed
+            }
+        };
+        let entry = EnrolledPod {
+            uid: rec.uid.clone(),
+            name: rec.name,
+            namespace: rec.namespace,
+            service_account: rec.service_account,
+            netns: rec.netns,
+            container_id: rec.container_id,
+            ips: rec.ips,
+            pending: !matches!(outcome, Restored::Yes),
+            handle: netns,
+        };
+        self.update(|pods| pods.insert(rec.uid, entry));
+        outcome
+    }
+
+    fn table(&self) -> MutexGuard<'_, Table> {
+        self.table.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Changes the pod table with `f`; returns its result and, when a store is attached, the
+    /// snapshot to hand to [`PodManager::persist`].
+    fn update<R>(
+        &self,
+        f: impl FnOnce(&mut HashMap<String, EnrolledPod>) -> R,
+    ) -> (R, Option<Snapshot>) {
+        let mut table = self.table();
+        let r = f(&mut table.pods);
+        table.generation += 1;
+        let snapshot = self.store.get().map(|_| {
+            let mut records: Vec<PodRecord> =
+                table.pods.values().map(EnrolledPod::record).collect();
+            records.sort_by(|a, b| a.uid.cmp(&b.uid));
+            (table.generation, records)
+        });
+        (r, snapshot)
+    }
+
+    /// Writes a table snapshot to disk. A failure is logged: the pod flows have already happened
+    /// and must not be undone because the file could not be written.
+    async fn persist(&self, snapshot: Option<Snapshot>) {
+        let (Some(store), Some((generation, records))) = (self.store.get().cloned(), snapshot)
+        else {
+            return;
+        };
+        let path = store.path().to_owned();
+        match tokio::task::spawn_blocking(move || store.save(generation, records)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::error!(error = %e, "persisting the pod table failed"),
+            Err(_) => tracing::error!(file = %path.display(), "pod table writer task failed"),
+        }
+    }
+
+    async fn apply_rules(&self, pod: &str, netns: &Netns) -> Result<(), PodError> {
+        let rules = self.rules.clone();
+        let ns = netns.clone();
+        tokio::task::spawn_blocking(move || rules.apply(&ns))
+            .await
+            .map_err(|_| PodError::Task(pod.to_owned()))?
+            .map_err(|source| PodError::Redirect {
+                pod: pod.to_owned(),
+                source,
+            })
     }
 
     /// CNI ADD: enroll the pod if the policy says so.
@@ -156,15 +377,7 @@ impl PodManager {
         netns: Netns,
         ev: PodAddEvent,
     ) -> Result<AddOutcome, PodError> {
-        let plan = self.plan.clone();
-        let ns = netns.clone();
-        tokio::task::spawn_blocking(move || redirect::apply(&ns, &plan))
-            .await
-            .map_err(|_| PodError::Task(pod.clone()))?
-            .map_err(|source| PodError::Redirect {
-                pod: pod.clone(),
-                source,
-            })?;
+        self.apply_rules(&pod, &netns).await?;
         tracing::info!("redirection rules installed");
         let mut entry = EnrolledPod {
             uid: uid.clone(),
@@ -177,10 +390,15 @@ impl PodManager {
             pending: true,
             handle: netns.clone(),
         };
-        self.remember(entry.clone());
+        // Remembered before the proxy answers: a failed Add keeps the pod (pending) so its DEL
+        // still finds the rules and the proxy side can forget it.
+        let snapshot = self
+            .update(|pods| pods.insert(uid.clone(), entry.clone()))
+            .1;
+        self.persist(snapshot).await;
         self.zds
             .send(WorkloadRequest::Add {
-                uid,
+                uid: uid.clone(),
                 info: info.clone(),
                 netns,
             })
@@ -191,20 +409,15 @@ impl PodManager {
             })?;
         tracing::info!(identity.sa = %info.service_account, "pod enrolled, proxy serving it");
         entry.pending = false;
-        self.remember(entry);
+        let snapshot = self.update(|pods| pods.insert(uid, entry)).1;
+        self.persist(snapshot).await;
         Ok(AddOutcome::Enrolled)
-    }
-
-    fn remember(&self, entry: EnrolledPod) {
-        if let Ok(mut pods) = self.pods.lock() {
-            pods.insert(entry.uid.clone(), entry);
-        }
     }
 
     /// CNI DEL: remove the pod's rules (if its netns still exists) and stop its proxy. Unknown pods
     /// succeed.
     pub async fn del(&self, ev: PodDelEvent) -> Result<(), PodError> {
-        let found = self.pods.lock().ok().and_then(|mut pods| {
+        let (found, snapshot) = self.update(|pods| {
             let key = pods
                 .iter()
                 .find(|(uid, p)| {
@@ -225,10 +438,12 @@ impl PodManager {
             tracing::debug!(pod = %format!("{}/{}", ev.pod_namespace, ev.pod_name), "DEL for a pod we do not hold");
             return Ok(());
         };
+        self.persist(snapshot).await;
         let name = format!("{}/{}", pod.namespace, pod.name);
         if Path::new(&pod.netns).exists() {
             let ns = pod.handle.clone();
-            let res = tokio::task::spawn_blocking(move || redirect::remove(&ns))
+            let rules = self.rules.clone();
+            let res = tokio::task::spawn_blocking(move || rules.remove(&ns))
                 .await
                 .map_err(|_| PodError::Task(name.clone()))?;
             if let Err(e) = res {
@@ -250,7 +465,7 @@ impl PodManager {
 
     /// Identity info of an enrolled pod by uid.
     pub fn info(&self, uid: &str) -> Option<WorkloadInfo> {
-        self.pods.lock().ok()?.get(uid).map(|p| WorkloadInfo {
+        self.table().pods.get(uid).map(|p| WorkloadInfo {
             name: p.name.clone(),
             namespace: p.namespace.clone(),
             service_account: p.service_account.clone(),

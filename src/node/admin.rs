@@ -2,7 +2,8 @@
 //!
 //! - admin `127.0.0.1:15000`: `GET /config_dump` → JSON `{workloads, services, policies, certificates,
 //!   workloadState, enrolledPods, version}`;
-//! - readiness `:15021`: `GET /healthz/ready` → `200 ready\n`;
+//! - readiness `:15021`: `GET /healthz/ready` → `200 ready\n` once no start-up task is pending
+//!   ([`crate::node::ready`]), else `500 not ready, pending: ["task", ...]\n`;
 //! - stats `:15020`: `GET /metrics` (and `/stats/prometheus`) → Prometheus text.
 
 use std::convert::Infallible;
@@ -13,12 +14,12 @@ use anyhow::Context;
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body_util::Full;
-use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use serde_json::json;
 use tokio::net::TcpListener;
 
 use crate::agent::pods::PodManager;
+use crate::node::ready::Readiness;
 use crate::proxy::pods::ProxyManager;
 use crate::proxy::state::StateHandle;
 
@@ -31,6 +32,8 @@ pub struct Admin {
     pub proxies: Arc<ProxyManager>,
     /// Enrolled pods (`None` in a proxy-only process: `enrolledPods` is then null).
     pub pods: Option<Arc<PodManager>>,
+    /// Start-up tasks `/healthz/ready` waits for.
+    pub ready: Readiness,
 }
 
 #[derive(Clone, Copy)]
@@ -93,10 +96,10 @@ fn text(
     Ok(r)
 }
 
-fn handle(
+fn handle<B>(
     admin: &Admin,
     kind: Kind,
-    req: Request<Incoming>,
+    req: Request<B>,
 ) -> Result<Response<Full<Bytes>>, Infallible> {
     match (kind, req.uri().path()) {
         (Kind::Admin, "/config_dump") => {
@@ -104,7 +107,15 @@ fn handle(
             let body = serde_json::to_vec_pretty(&dump).unwrap_or_default();
             text(StatusCode::OK, body, "application/json")
         }
-        (Kind::Ready, "/healthz/ready") => text(StatusCode::OK, "ready\n", "text/plain"),
+        (Kind::Ready, "/healthz/ready") => {
+            if admin.ready.is_ready() {
+                text(StatusCode::OK, "ready\n", "text/plain")
+            } else {
+                let pending = admin.ready.pending_tasks();
+                let body = format!("not ready, pending: {pending:?}\n");
+                text(StatusCode::INTERNAL_SERVER_ERROR, body, "text/plain")
+            }
+        }
         (Kind::Stats, "/metrics" | "/stats/prometheus") => {
             let body = admin.proxies.ctx().metrics.render();
             text(StatusCode::OK, body, "text/plain; version=0.0.4")
@@ -153,4 +164,83 @@ fn humantime(t: std::time::SystemTime) -> String {
                 .ok()
         })
         .unwrap_or_else(|| secs.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use http_body_util::BodyExt;
+
+    use super::*;
+    use crate::agent::redirect::RedirectPlan;
+    use crate::proxy::accesslog::Metrics;
+    use crate::proxy::identity::{Ca, CertManager};
+    use crate::proxy::pods::ProxyContext;
+    use crate::proxy::state::ProxyState;
+
+    fn admin(ready: Readiness) -> Admin {
+        let state = StateHandle::new(ProxyState::default());
+        let ca = Ca::load_or_generate(None).expect("CA");
+        let ctx = Arc::new(ProxyContext {
+            state: state.clone(),
+            certs: CertManager::new(ca, std::time::Duration::from_secs(3600)),
+            metrics: Metrics::default(),
+            mark: 0x539,
+        });
+        let (zds, _rx) = crate::zds::channel();
+        let policy: Arc<dyn crate::agent::enroll::EnrollmentPolicy> =
+            Arc::new(|_: &str, _: &str| None);
+        Admin {
+            state,
+            proxies: ProxyManager::new(ctx),
+            pods: Some(Arc::new(PodManager::new(
+                policy,
+                zds,
+                RedirectPlan::default(),
+            ))),
+            ready,
+        }
+    }
+
+    async fn get(admin: &Admin, kind: Kind, path: &str) -> (StatusCode, String) {
+        let req = Request::builder().uri(path).body(()).expect("request");
+        let resp = handle(admin, kind, req).expect("infallible");
+        let status = resp.status();
+        let body = resp.into_body().collect().await.expect("body").to_bytes();
+        (status, String::from_utf8_lossy(&body).into_owned())
+    }
+
+    #[tokio::test]
+    async fn ready_only_when_nothing_is_pending_and_names_what_is_missing() {
+        let ready = Readiness::new();
+        let config = ready.register("local config");
+        let socket = ready.register("plugin socket");
+        let install = ready.register("cni plugin install");
+        let a = admin(ready);
+        let (code, body) = get(&a, Kind::Ready, "/healthz/ready").await;
+        assert_eq!(code, StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(
+            body,
+            "not ready, pending: [\"cni plugin install\", \"local config\", \"plugin socket\"]\n"
+        );
+        config.done();
+        socket.done();
+        let (code, body) = get(&a, Kind::Ready, "/healthz/ready").await;
+        assert_eq!(code, StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(body, "not ready, pending: [\"cni plugin install\"]\n");
+        install.set_ready(true);
+        assert_eq!(
+            get(&a, Kind::Ready, "/healthz/ready").await,
+            (StatusCode::OK, "ready\n".to_owned())
+        );
+        install.set_ready(false);
+        assert_eq!(
+            get(&a, Kind::Ready, "/healthz/ready").await.0,
+            StatusCode::INTERNAL_SERVER_ERROR
+        );
+        // the path is served on the readiness listener only
+        assert_eq!(
+            get(&a, Kind::Admin, "/healthz/ready").await.0,
+            StatusCode::NOT_FOUND
+        );
+    }
 }

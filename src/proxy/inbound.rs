@@ -4,22 +4,27 @@
 //! our trust domain, then HTTP/2 CONNECT streams. Each stream's `:authority` must name this pod's own
 //! IP (the address 15008 was reached on) and a port outside 15001/15006/15008, else 400; the app is
 //! dialled from the client's IP (IP_TRANSPARENT) so it sees the real source; 200 only after that
-//! connect succeeded, 503 otherwise. Never an open proxy.
+//! connect succeeded, 503 otherwise. Never an open proxy. Each HBONE connection is kept alive with
+//! HTTP/2 PINGs and owns its streams ([`serve_streams`]).
 
+use crate::proxy::bufio::ReadBuffered;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
 use bytes::Bytes;
 use h2::server::SendResponse;
 use http::{Request, Response, StatusCode};
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
+use tokio::task::JoinSet;
 
-use crate::proxy::accesslog::{ConnectionLog, Direction};
+use crate::proxy::accesslog::{ByteCounts, ConnectionLog, Direction};
 use crate::proxy::copy;
 use crate::proxy::hbone::{self, ILLEGAL_PORTS};
 use crate::proxy::identity::Identity;
 use crate::proxy::pods::PodProxy;
-use crate::proxy::pool::CONNECT_TIMEOUT;
+use crate::proxy::pool::{self, CONNECT_TIMEOUT};
 use crate::proxy::socket::{self, SocketError};
 
 /// Time allowed for the TLS and HTTP/2 handshakes of an inbound HBONE connection.
@@ -64,7 +69,8 @@ pub async fn handle_hbone(pod: Arc<PodProxy>, tcp: TcpStream, peer: SocketAddr) 
         }
     };
     let peer = socket::canonical(peer);
-    let accept = tokio_rustls::TlsAcceptor::from(pod.server_tls.clone()).accept(tcp);
+    let accept =
+        tokio_rustls::TlsAcceptor::from(pod.server_tls.clone()).accept(ReadBuffered::new(tcp));
     let timed_out = || std::io::Error::new(std::io::ErrorKind::TimedOut, "handshake timed out");
     let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, accept)
         .await
@@ -81,7 +87,7 @@ pub async fn handle_hbone(pod: Arc<PodProxy>, tcp: TcpStream, peer: SocketAddr) 
         .1
         .peer_certificates()
         .and_then(crate::proxy::tls::peer_identity);
-    let mut conn = match tokio::time::timeout(
+    let conn = match tokio::time::timeout(
         HANDSHAKE_TIMEOUT,
         hbone::server_builder().handshake::<_, Bytes>(tls),
     )
@@ -97,19 +103,53 @@ pub async fn handle_hbone(pod: Arc<PodProxy>, tcp: TcpStream, peer: SocketAddr) 
             return;
         }
     };
-    while let Some(next) = conn.accept().await {
-        match next {
-            Ok((req, respond)) => {
-                let pod = pod.clone();
-                let peer_id = peer_id.clone();
-                tokio::spawn(async move { stream(pod, req, respond, peer, local, peer_id).await });
-            }
-            Err(e) => {
-                tracing::debug!(src.addr = %peer, error = %e, "HBONE connection ended");
-                break;
+    serve_streams(conn, peer, |req, respond| {
+        stream(pod.clone(), req, respond, peer, local, peer_id.clone())
+    })
+    .await;
+}
+
+/// Accepts the CONNECT streams of one HBONE connection and runs `on_stream` for each in a task of
+/// a [`JoinSet`] owned here, so ending (or aborting) this future ends every stream of the connection.
+///
+/// Sends a PING every 10 s and drops the connection (and its streams) when no PONG arrives within
+/// 20 s, as ztunnel's server does (`../shared/spec/ztunnel.md` §3). After a normal close the streams
+/// are awaited: with the connection gone their HTTP/2 halves fail fast, so they only finish their
+/// app side and access log.
+pub async fn serve_streams<T, F, Fut>(
+    mut conn: h2::server::Connection<T, Bytes>,
+    peer: SocketAddr,
+    mut on_stream: F,
+) where
+    T: AsyncRead + AsyncWrite + Unpin,
+    F: FnMut(Request<h2::RecvStream>, SendResponse<Bytes>) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let mut streams = JoinSet::new();
+    let keepalive = pool::keepalive(conn.ping_pong());
+    tokio::pin!(keepalive);
+    loop {
+        tokio::select! {
+            next = conn.accept() => match next {
+                Some(Ok((req, respond))) => {
+                    streams.spawn(on_stream(req, respond));
+                }
+                Some(Err(e)) => {
+                    tracing::debug!(src.addr = %peer, error = %e, "HBONE connection ended");
+                    break;
+                }
+                None => break,
+            },
+            Some(_) = streams.join_next(), if !streams.is_empty() => {}
+            () = &mut keepalive => {
+                tracing::warn!(src.addr = %peer, "HBONE keepalive timed out, dropping connection");
+                conn.abrupt_shutdown(h2::Reason::NO_ERROR);
+                return;
             }
         }
     }
+    drop(conn);
+    while streams.join_next().await.is_some() {}
 }
 
 fn refuse(respond: &mut SendResponse<Bytes>, code: StatusCode) {
@@ -159,7 +199,7 @@ async fn stream(
         }
     };
     match copy::relay_h2(upstream, send, req.into_body()).await {
-        Ok(t) => log.finish(&pod.ctx.metrics, t, None),
+        Ok(t) => log.finish(&pod.ctx.metrics, ByteCounts::server_side(t), None),
         Err(e) => log.finish(
             &pod.ctx.metrics,
             Default::default(),
@@ -216,7 +256,7 @@ pub async fn handle_plaintext(pod: Arc<PodProxy>, tcp: TcpStream, peer: SocketAd
         .await
     {
         Ok(upstream) => match copy::relay_tcp(tcp, upstream).await {
-            Ok(t) => log.finish(&pod.ctx.metrics, t, None),
+            Ok(t) => log.finish(&pod.ctx.metrics, ByteCounts::client_side(t), None),
             Err(e) => log.finish(
                 &pod.ctx.metrics,
                 Default::default(),
@@ -261,5 +301,88 @@ mod tests {
             check_request(&req(http::Method::GET, "http://10.0.0.3:80/"), local),
             Err(InboundError::Method(_))
         ));
+    }
+
+    type Sensors = tokio::sync::mpsc::UnboundedReceiver<tokio::sync::oneshot::Receiver<()>>;
+    type ClientConn = h2::client::Connection<tokio::io::DuplexStream, Bytes>;
+
+    /// An HBONE pair in memory. The server side runs [`serve_streams`] in a task; its stream
+    /// handler answers 200 and then never finishes, holding a drop-sensor whose receiver it hands
+    /// out through the returned channel.
+    async fn pair() -> (
+        h2::client::SendRequest<Bytes>,
+        ClientConn,
+        tokio::task::JoinHandle<()>,
+        Sensors,
+    ) {
+        let (a, b) = tokio::io::duplex(1 << 16);
+        let (sensors_tx, sensors) = tokio::sync::mpsc::unbounded_channel();
+        let server = tokio::spawn(async move {
+            let conn = hbone::server_builder()
+                .handshake::<_, Bytes>(b)
+                .await
+                .expect("server handshake");
+            let peer: SocketAddr = "10.0.0.2:40000".parse().expect("addr");
+            serve_streams(conn, peer, move |_req, mut respond| {
+                let (alive, sensor) = tokio::sync::oneshot::channel::<()>();
+                let _ = sensors_tx.send(sensor);
+                async move {
+                    let _alive = alive;
+                    let _send = respond.send_response(Response::new(()), false);
+                    std::future::pending::<()>().await
+                }
+            })
+            .await
+        });
+        let (client, conn) = crate::proxy::hbone::client_builder()
+            .handshake::<_, Bytes>(a)
+            .await
+            .expect("client handshake");
+        (client, conn, server, sensors)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_peer_that_stops_answering_pings_is_dropped_with_its_streams() {
+        let (mut client, mut conn, server, mut sensors) = pair().await;
+        let (resp, _send) = client
+            .send_request(req(http::Method::CONNECT, "10.0.0.3:8080"), false)
+            .expect("send");
+        let resp = tokio::select! {
+            r = resp => r.expect("response"),
+            _ = &mut conn => panic!("client connection ended"),
+        };
+        assert_eq!(resp.status(), StatusCode::OK);
+        let sensor = sensors.recv().await.expect("stream started");
+        // From here on the client connection is never polled: PINGs get no PONG.
+        tokio::time::timeout(std::time::Duration::from_secs(60), server)
+            .await
+            .expect("the server must give up on a silent peer")
+            .expect("server task");
+        let ended = tokio::time::timeout(std::time::Duration::from_secs(5), sensor).await;
+        assert!(
+            matches!(ended, Ok(Err(_))),
+            "streams end with their connection: {ended:?}"
+        );
+        drop(conn);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn aborting_the_connection_task_ends_its_streams() {
+        let (mut client, conn, server, mut sensors) = pair().await;
+        let driver = tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        let (resp, _send) = client
+            .send_request(req(http::Method::CONNECT, "10.0.0.3:8080"), false)
+            .expect("send");
+        assert_eq!(resp.await.expect("response").status(), StatusCode::OK);
+        let sensor = sensors.recv().await.expect("stream started");
+        server.abort();
+        let ended = tokio::time::timeout(std::time::Duration::from_secs(5), sensor).await;
+        assert!(
+            matches!(ended, Ok(Err(_))),
+            "the stream task must end with its connection task: {ended:?}"
+        );
+        driver.abort();
     }
 }

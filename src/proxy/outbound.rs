@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use tokio::net::TcpStream;
 
-use crate::proxy::accesslog::{ConnectionLog, Direction};
+use crate::proxy::accesslog::{ByteCounts, ConnectionLog, Direction};
 use crate::proxy::copy;
 use crate::proxy::hbone::{self, HBONE_PORT, ILLEGAL_PORTS};
 use crate::proxy::pods::PodProxy;
@@ -107,7 +107,7 @@ pub async fn handle(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) {
             };
             match connect_hbone(&pod, &key, client, target).await {
                 Ok((send, recv)) => match copy::relay_h2(tcp, send, recv).await {
-                    Ok(t) => log.finish(&pod.ctx.metrics, t, None),
+                    Ok(t) => log.finish(&pod.ctx.metrics, ByteCounts::client_side(t), None),
                     Err(e) => log.finish(
                         &pod.ctx.metrics,
                         Default::default(),
@@ -121,7 +121,7 @@ pub async fn handle(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) {
             log.dst = target;
             match pod.sockets.connect(target, None, CONNECT_TIMEOUT).await {
                 Ok(upstream) => match copy::relay_tcp(tcp, upstream).await {
-                    Ok(t) => log.finish(&pod.ctx.metrics, t, None),
+                    Ok(t) => log.finish(&pod.ctx.metrics, ByteCounts::client_side(t), None),
                     Err(e) => log.finish(
                         &pod.ctx.metrics,
                         Default::default(),
@@ -148,7 +148,6 @@ async fn connect_hbone(
     client: SocketAddr,
     target: SocketAddr,
 ) -> Result<(h2::SendStream<bytes::Bytes>, h2::RecvStream), OutboundError> {
-    let mut sender = pod.pool.sender(key).await?;
     let req = http::Request::builder()
         .method(http::Method::CONNECT)
         .uri(hbone::format_authority(target))
@@ -156,12 +155,11 @@ async fn connect_hbone(
         .header("traceparent", hbone::traceparent())
         .body(())
         .map_err(OutboundError::Request)?;
-    let (resp, send) = sender
-        .send_request(req, false)
-        .map_err(|e| OutboundError::Connect(key.addr, e))?;
-    let resp = resp
-        .await
-        .map_err(|e| OutboundError::Connect(key.addr, e))?;
+    // The pool retries once on a fresh connection when the peer refused the stream unprocessed.
+    let (resp, send) = pod.pool.send_request(key, req).await.map_err(|e| match e {
+        PoolError::Stream { addr, source } => OutboundError::Connect(addr, source),
+        e => OutboundError::Pool(e),
+    })?;
     if resp.status() != http::StatusCode::OK {
         return Err(OutboundError::Status(key.addr, resp.status()));
     }

@@ -12,14 +12,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde::Serialize;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 use tokio::task::{AbortHandle, JoinSet};
 
 use crate::netns::{Netns, NetnsId};
 use crate::proxy::accesslog::Metrics;
 use crate::proxy::hbone::{HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT};
 use crate::proxy::identity::{CertManager, Identity};
-use crate::proxy::pool::Pool;
+use crate::proxy::pool::{POOL_SWEEP_INTERVAL, Pool};
 use crate::proxy::socket::{PodSockets, SocketError};
 use crate::proxy::state::{StateHandle, Workload};
 use crate::proxy::{inbound, outbound, tls};
@@ -189,10 +189,10 @@ impl ProxyManager {
         info: WorkloadInfo,
         netns: Netns,
     ) -> Result<(), PodProxyError> {
-        if let Ok(r) = self.running.lock() {
-            if r.get(&uid).is_some_and(|p| p.netns == netns.id()) {
-                return Ok(());
-            }
+        if let Ok(r) = self.running.lock()
+            && r.get(&uid).is_some_and(|p| p.netns == netns.id())
+        {
+            return Ok(());
         }
         self.del(&uid);
         let workload = self.wait_for_workload(&info).await?;
@@ -263,7 +263,9 @@ impl ProxyManager {
     }
 }
 
-/// Accepts on the three listeners; connection tasks live in a JoinSet so aborting this task ends them.
+/// Accepts on the three listeners; connection tasks live in a JoinSet so aborting this task ends
+/// them. Accepted sockets get TCP_NODELAY and TCP keepalive ([`tune_accepted`]); the outbound pool
+/// is swept every [`POOL_SWEEP_INTERVAL`].
 async fn serve(
     pod: Arc<PodProxy>,
     outbound_l: TcpListener,
@@ -271,31 +273,59 @@ async fn serve(
     hbone_l: TcpListener,
 ) {
     let mut conns = JoinSet::new();
+    let mut sweep = tokio::time::interval(POOL_SWEEP_INTERVAL);
+    sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             r = outbound_l.accept() => match r {
                 Ok((s, peer)) => {
-                    let _ = s.set_nodelay(true);
+                    tune_accepted(&s);
                     conns.spawn(outbound::handle(pod.clone(), s, peer));
                 }
                 Err(e) => accept_backoff(e).await,
             },
             r = inbound_l.accept() => match r {
                 Ok((s, peer)) => {
-                    let _ = s.set_nodelay(true);
+                    tune_accepted(&s);
                     conns.spawn(inbound::handle_plaintext(pod.clone(), s, peer));
                 }
                 Err(e) => accept_backoff(e).await,
             },
             r = hbone_l.accept() => match r {
                 Ok((s, peer)) => {
-                    let _ = s.set_nodelay(true);
+                    tune_accepted(&s);
                     conns.spawn(inbound::handle_hbone(pod.clone(), s, peer));
                 }
                 Err(e) => accept_backoff(e).await,
             },
             Some(_) = conns.join_next(), if !conns.is_empty() => {}
+            _ = sweep.tick() => {
+                pod.pool.sweep();
+            }
         }
+    }
+}
+
+/// TCP keepalive of accepted sockets, as ztunnel: first probe after 180 s idle, then every 180 s,
+/// 9 probes before the kernel drops the connection.
+pub const TCP_KEEPALIVE_TIME: Duration = Duration::from_secs(180);
+/// Interval between TCP keepalive probes.
+pub const TCP_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(180);
+/// Unanswered TCP keepalive probes before the connection is dropped.
+pub const TCP_KEEPALIVE_RETRIES: u32 = 9;
+
+/// Sets TCP_NODELAY and the TCP keepalive above on an accepted socket; failures are logged (the
+/// connection still works without them).
+pub fn tune_accepted(s: &TcpStream) {
+    if let Err(e) = s.set_nodelay(true) {
+        tracing::debug!(error = %e, "TCP_NODELAY on accepted socket");
+    }
+    let ka = socket2::TcpKeepalive::new()
+        .with_time(TCP_KEEPALIVE_TIME)
+        .with_interval(TCP_KEEPALIVE_INTERVAL)
+        .with_retries(TCP_KEEPALIVE_RETRIES);
+    if let Err(e) = socket2::SockRef::from(s).set_tcp_keepalive(&ka) {
+        tracing::debug!(error = %e, "TCP keepalive on accepted socket");
     }
 }
 
@@ -303,4 +333,30 @@ async fn serve(
 async fn accept_backoff(e: std::io::Error) {
     tracing::warn!(error = %e, "accept failed");
     tokio::time::sleep(Duration::from_millis(50)).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn accepted_sockets_get_nodelay_and_tcp_keepalive() {
+        let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = l.local_addr().expect("addr");
+        let _client = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let (s, _) = l.accept().await.expect("accept");
+        tune_accepted(&s);
+        let sock = socket2::SockRef::from(&s);
+        assert!(s.nodelay().expect("nodelay"));
+        assert!(sock.keepalive().expect("SO_KEEPALIVE"));
+        assert_eq!(sock.tcp_keepalive_time().expect("time"), TCP_KEEPALIVE_TIME);
+        assert_eq!(
+            sock.tcp_keepalive_interval().expect("interval"),
+            TCP_KEEPALIVE_INTERVAL
+        );
+        assert_eq!(
+            sock.tcp_keepalive_retries().expect("retries"),
+            TCP_KEEPALIVE_RETRIES
+        );
+    }
 }

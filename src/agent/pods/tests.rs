@@ -1,0 +1,300 @@
+//! The pod lifecycle without privileges: a recording [`RuleApplier`], a fake proxy behind
+//! [`zds::channel`] that acks everything, and the test process's own netns (`/proc/self/ns/net`)
+//! standing in for pod namespaces.
+
+use std::os::unix::fs::PermissionsExt;
+
+use super::store::StoredNetnsId;
+use super::*;
+use crate::podevent::{IpNet, PodIp};
+use crate::zds::{self, ZdsClient};
+
+const OWN_NETNS: &str = "/proc/self/ns/net";
+
+/// Records `apply`/`remove` calls.
+#[derive(Default)]
+struct FakeRules {
+    calls: Mutex<Vec<&'static str>>,
+}
+
+impl FakeRules {
+    fn calls(&self) -> Vec<&'static str> {
+        self.calls.lock().expect("calls").clone()
+    }
+}
+
+impl RuleApplier for FakeRules {
+    fn apply(&self, _netns: &Netns) -> Result<(), redirect::RedirectError> {
+        self.calls.lock().expect("calls").push("apply");
+        Ok(())
+    }
+    fn remove(&self, _netns: &Netns) -> Result<(), redirect::RedirectError> {
+        self.calls.lock().expect("calls").push("remove");
+        Ok(())
+    }
+}
+
+/// A proxy that acks every request and records it as `add <uid>`, `del <uid>`, `keep <uid>` or
+/// `snapshot`.
+fn fake_proxy() -> (ZdsClient, Arc<Mutex<Vec<String>>>) {
+    let (client, mut rx) = zds::channel();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let log = seen.clone();
+    tokio::spawn(async move {
+        while let Some((req, ack)) = rx.recv().await {
+            let line = match req {
+                WorkloadRequest::Add { uid, .. } => format!("add {uid}"),
+                WorkloadRequest::Del { uid } => format!("del {uid}"),
+                WorkloadRequest::Keep { uid } => format!("keep {uid}"),
+                WorkloadRequest::SnapshotSent => "snapshot".to_owned(),
+            };
+            log.lock().expect("log").push(line);
+            let _ = ack.send(Ok(()));
+        }
+    });
+    (client, seen)
+}
+
+struct Fixture {
+    pods: PodManager,
+    rules: Arc<FakeRules>,
+    proxy: Arc<Mutex<Vec<String>>>,
+}
+
+impl Fixture {
+    fn new() -> Fixture {
+        let (zds, proxy) = fake_proxy();
+        let rules = Arc::new(FakeRules::default());
+        let policy: Arc<dyn EnrollmentPolicy> = Arc::new(|ns: &str, name: &str| {
+            Some(WorkloadInfo {
+                name: name.to_owned(),
+                namespace: ns.to_owned(),
+                service_account: format!("sa-{name}"),
+            })
+        });
+        Fixture {
+            pods: PodManager::with_rules(policy, zds, rules.clone()),
+            rules,
+            proxy,
+        }
+    }
+
+    fn proxy(&self) -> Vec<String> {
+        self.proxy.lock().expect("proxy").clone()
+    }
+}
+
+fn add_event(name: &str, uid: &str, container_id: &str) -> PodAddEvent {
+    PodAddEvent {
+        netns: OWN_NETNS.into(),
+        pod_name: name.into(),
+        pod_namespace: "default".into(),
+        pod_uid: uid.into(),
+        container_id: container_id.into(),
+        if_name: "eth0".into(),
+        ips: vec![PodIp {
+            interface: Some(0),
+            address: IpNet {
+                ip: "10.0.0.2".parse().expect("ip"),
+                prefix: 24,
+            },
+            gateway: None,
+        }],
+    }
+}
+
+fn del_event(name: &str, uid: &str, container_id: &str) -> PodDelEvent {
+    PodDelEvent {
+        netns: OWN_NETNS.into(),
+        pod_name: name.into(),
+        pod_namespace: "default".into(),
+        pod_uid: uid.into(),
+        container_id: container_id.into(),
+    }
+}
+
+fn stored(dir: &Path) -> Vec<PodRecord> {
+    Store::new(dir).load().expect("load pods.json")
+}
+
+#[tokio::test]
+async fn a_late_del_of_an_old_sandbox_keeps_the_new_one() {
+    let f = Fixture::new();
+    let add = |cid| f.pods.add(add_event("web", "uid-1", cid));
+    assert_eq!(add("sandbox-old").await.expect("add"), AddOutcome::Enrolled);
+    // the runtime recreated the sandbox: same pod uid, new container id
+    assert_eq!(add("sandbox-new").await.expect("add"), AddOutcome::Enrolled);
+    assert_eq!(f.rules.calls(), ["apply", "apply"]);
+
+    f.pods
+        .del(del_event("web", "uid-1", "sandbox-old"))
+        .await
+        .expect("late DEL succeeds");
+    let enrolled = f.pods.enrolled();
+    assert_eq!(enrolled.len(), 1, "the new sandbox stays enrolled");
+    assert_eq!(enrolled[0].container_id, "sandbox-new");
+    assert_eq!(f.rules.calls(), ["apply", "apply"], "no rules removed");
+    assert_eq!(f.proxy(), ["add uid-1", "add uid-1"], "no Del sent");
+
+    f.pods
+        .del(del_event("web", "uid-1", "sandbox-new"))
+        .await
+        .expect("DEL");
+    assert!(f.pods.enrolled().is_empty());
+    assert_eq!(f.rules.calls(), ["apply", "apply", "remove"]);
+    assert_eq!(f.proxy(), ["add uid-1", "add uid-1", "del uid-1"]);
+}
+
+#[tokio::test]
+async fn the_table_is_persisted_on_every_add_and_del_with_mode_0600() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let f = Fixture::new();
+    let report = f.pods.restore(dir.path()).await.expect("attach");
+    assert_eq!(report, RestoreReport::default());
+    f.pods
+        .add(add_event("a", "uid-a", "cid-a"))
+        .await
+        .expect("add a");
+    f.pods
+        .add(add_event("b", "uid-b", "cid-b"))
+        .await
+        .expect("add b");
+    let file = dir.path().join(STATE_FILE);
+    let mode = std::fs::metadata(&file)
+        .expect("pods.json")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600);
+    let recs = stored(dir.path());
+    assert_eq!(
+        recs.iter().map(|r| r.uid.as_str()).collect::<Vec<_>>(),
+        ["uid-a", "uid-b"]
+    );
+    let a = &recs[0];
+    assert_eq!(
+        (
+            a.name.as_str(),
+            a.namespace.as_str(),
+            a.service_account.as_str()
+        ),
+        ("a", "default", "sa-a")
+    );
+    assert_eq!(
+        (a.netns.as_str(), a.container_id.as_str()),
+        (OWN_NETNS, "cid-a")
+    );
+    assert_eq!(a.ips, ["10.0.0.2".parse::<IpAddr>().expect("ip")]);
+    let own = Netns::open(OWN_NETNS).expect("own netns").id();
+    assert_eq!(a.netns_id, Some(own.into()));
+
+    f.pods
+        .del(del_event("a", "uid-a", "cid-a"))
+        .await
+        .expect("del a");
+    let recs = stored(dir.path());
+    assert_eq!(
+        recs.iter().map(|r| r.uid.as_str()).collect::<Vec<_>>(),
+        ["uid-b"]
+    );
+    assert!(
+        !dir.path().join("pods.json.tmp").exists(),
+        "no temp file left"
+    );
+}
+
+#[tokio::test]
+async fn restore_reapplies_rules_readds_pods_and_drops_gone_netns() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    // what a previous agent left: enrolled through the real flow
+    {
+        let f = Fixture::new();
+        f.pods.restore(dir.path()).await.expect("attach");
+        f.pods
+            .add(add_event("a", "uid-a", "cid-a"))
+            .await
+            .expect("add a");
+    }
+    let mut recs = stored(dir.path());
+    let live = recs[0].clone();
+    recs.push(PodRecord {
+        uid: "uid-gone".into(),
+        netns: "/nonexistent/netns/gone".into(),
+        ..live.clone()
+    });
+    recs.push(PodRecord {
+        uid: "uid-replaced".into(),
+        netns_id: Some(StoredNetnsId { inode: 1, dev: 1 }),
+        ..live.clone()
+    });
+    Store::new(dir.path()).save(1, recs).expect("write");
+
+    let f = Fixture::new();
+    let report = f.pods.restore(dir.path()).await.expect("restore");
+    assert_eq!(
+        report,
+        RestoreReport {
+            restored: 1,
+            dropped: 2,
+            failed: 0
+        }
+    );
+    assert_eq!(f.rules.calls(), ["apply"]);
+    assert_eq!(f.proxy(), ["add uid-a", "snapshot"]);
+    let enrolled = f.pods.enrolled();
+    assert_eq!(enrolled.len(), 1);
+    assert_eq!(
+        (enrolled[0].uid.as_str(), enrolled[0].container_id.as_str()),
+        ("uid-a", "cid-a")
+    );
+    assert_eq!(stored(dir.path()), [live], "dropped entries leave the file");
+
+    // the restored pod is a normal member: its DEL removes rules and proxy
+    f.pods
+        .del(del_event("a", "uid-a", "cid-a"))
+        .await
+        .expect("del");
+    assert_eq!(f.rules.calls(), ["apply", "remove"]);
+    assert!(stored(dir.path()).is_empty());
+}
+
+#[tokio::test]
+async fn a_corrupt_table_starts_empty_and_is_replaced() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::write(dir.path().join(STATE_FILE), b"{not json").expect("write");
+    let f = Fixture::new();
+    let report = f.pods.restore(dir.path()).await.expect("restore");
+    assert_eq!(report, RestoreReport::default());
+    assert_eq!(f.proxy(), ["snapshot"]);
+    assert!(stored(dir.path()).is_empty(), "rewritten as an empty table");
+}
+
+#[tokio::test]
+async fn restore_twice_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let f = Fixture::new();
+    f.pods.restore(dir.path()).await.expect("first");
+    let err = f.pods.restore(dir.path()).await.expect_err("second");
+    assert!(
+        matches!(err, PodError::Store(StoreError::AlreadyAttached(_))),
+        "{err}"
+    );
+}
+
+#[test]
+fn an_older_generation_does_not_overwrite_a_newer_one() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::new(dir.path());
+    let rec = |uid: &str| PodRecord {
+        uid: uid.into(),
+        name: "n".into(),
+        namespace: "default".into(),
+        service_account: "sa".into(),
+        netns: OWN_NETNS.into(),
+        container_id: "c".into(),
+        ips: vec![],
+        netns_id: None,
+    };
+    store.save(2, vec![rec("new")]).expect("save 2");
+    store.save(1, vec![rec("old")]).expect("save 1");
+    assert_eq!(store.load().expect("load"), [rec("new")]);
+}

@@ -1,0 +1,249 @@
+//! Pool logic over in-memory peers: reuse, the one retry after an unprocessed stream, and the
+//! release of unused connections (paused time).
+
+use std::collections::VecDeque;
+use std::sync::Mutex;
+use std::sync::atomic::AtomicUsize;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
+use tokio::sync::watch;
+
+use super::*;
+
+/// How one dialed fake peer treats CONNECT streams.
+#[derive(Debug, Clone, Copy)]
+enum Peer {
+    /// Answers every stream 200.
+    Accept,
+    /// Resets every stream with REFUSED_STREAM.
+    Refuse,
+    /// Answers the first HEADERS with GOAWAY(last_stream_id = 0): nothing was processed.
+    GoAway,
+}
+
+/// Dials in-memory peers, one behaviour per dial (the last one repeats), and records when each
+/// accepted connection closes.
+#[derive(Debug)]
+struct FakeConnector {
+    plan: Mutex<VecDeque<Peer>>,
+    dials: AtomicUsize,
+    closed: Mutex<Vec<watch::Receiver<bool>>>,
+}
+
+impl FakeConnector {
+    fn new(plan: &[Peer]) -> FakeConnector {
+        FakeConnector {
+            plan: Mutex::new(plan.iter().copied().collect()),
+            dials: AtomicUsize::new(0),
+            closed: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn dials(&self) -> usize {
+        self.dials.load(Ordering::SeqCst)
+    }
+
+    /// Closed-flag of the `n`th dialed connection.
+    fn closed(&self, n: usize) -> watch::Receiver<bool> {
+        self.closed.lock().expect("closed")[n].clone()
+    }
+}
+
+impl Connector for FakeConnector {
+    type Io = DuplexStream;
+
+    async fn connect(&self, _key: &PoolKey) -> Result<DuplexStream, PoolError> {
+        self.dials.fetch_add(1, Ordering::SeqCst);
+        let peer = {
+            let mut plan = self.plan.lock().expect("plan");
+            if plan.len() > 1 {
+                plan.pop_front()
+            } else {
+                plan.front().copied()
+            }
+        }
+        .expect("a plan");
+        let (client, server) = tokio::io::duplex(1 << 20);
+        let (closed_tx, closed_rx) = watch::channel(false);
+        self.closed.lock().expect("closed").push(closed_rx);
+        tokio::spawn(async move {
+            match peer {
+                Peer::Accept | Peer::Refuse => h2_peer(server, peer).await,
+                Peer::GoAway => goaway_peer(server).await,
+            }
+            let _ = closed_tx.send(true);
+        });
+        Ok(client)
+    }
+}
+
+async fn h2_peer(io: DuplexStream, peer: Peer) {
+    let Ok(mut conn) = crate::proxy::hbone::server_builder()
+        .handshake::<_, Bytes>(io)
+        .await
+    else {
+        return;
+    };
+    while let Some(Ok((_req, mut respond))) = conn.accept().await {
+        match peer {
+            Peer::Refuse => respond.send_reset(h2::Reason::REFUSED_STREAM),
+            _ => {
+                let _ = respond.send_response(Response::new(()), true);
+            }
+        }
+    }
+}
+
+fn frame(kind: u8, flags: u8, payload: &[u8]) -> Vec<u8> {
+    let len = (payload.len() as u32).to_be_bytes();
+    let mut f = vec![len[1], len[2], len[3], kind, flags, 0, 0, 0, 0];
+    f.extend_from_slice(payload);
+    f
+}
+
+/// A raw HTTP/2 server that sends GOAWAY(last_stream_id = 0, NO_ERROR) on the first HEADERS.
+async fn goaway_peer(mut io: DuplexStream) {
+    const SETTINGS: u8 = 4;
+    const HEADERS: u8 = 1;
+    const GOAWAY: u8 = 7;
+    let mut preface = [0u8; 24];
+    if io.read_exact(&mut preface).await.is_err() {
+        return;
+    }
+    if io.write_all(&frame(SETTINGS, 0, &[])).await.is_err() {
+        return;
+    }
+    loop {
+        let mut head = [0u8; 9];
+        if io.read_exact(&mut head).await.is_err() {
+            return;
+        }
+        let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+        let mut payload = vec![0u8; len];
+        if io.read_exact(&mut payload).await.is_err() {
+            return;
+        }
+        let reply = match head[3] {
+            SETTINGS if head[4] & 1 == 0 => frame(SETTINGS, 1, &[]),
+            HEADERS => frame(GOAWAY, 0, &[0; 8]),
+            _ => continue,
+        };
+        if io.write_all(&reply).await.is_err() {
+            return;
+        }
+    }
+}
+
+fn key(dst: &str) -> PoolKey {
+    PoolKey {
+        src: Identity::new("cluster.local", "default", "alice"),
+        dst: Identity::new("cluster.local", "default", dst),
+        addr: "10.0.0.3:15008".parse().expect("addr"),
+    }
+}
+
+fn connect_req() -> Request<()> {
+    Request::builder()
+        .method(http::Method::CONNECT)
+        .uri("10.0.0.3:8080")
+        .header("forwarded", "for=\"10.0.0.2:40000\"")
+        .body(())
+        .expect("request")
+}
+
+async fn status(pool: &Pool<FakeConnector>, key: &PoolKey) -> Result<http::StatusCode, PoolError> {
+    pool.send_request(key, connect_req())
+        .await
+        .map(|(resp, _send)| resp.status())
+}
+
+#[tokio::test]
+async fn streams_share_one_connection() {
+    let pool = Pool::with_connector(FakeConnector::new(&[Peer::Accept]));
+    for _ in 0..3 {
+        assert_eq!(status(&pool, &key("bob")).await.expect("ok"), 200);
+    }
+    assert_eq!(pool.connector.dials(), 1);
+}
+
+#[tokio::test]
+async fn refused_stream_is_retried_once_on_a_fresh_connection() {
+    let pool = Pool::with_connector(FakeConnector::new(&[Peer::Refuse, Peer::Accept]));
+    assert_eq!(status(&pool, &key("bob")).await.expect("retried"), 200);
+    assert_eq!(pool.connector.dials(), 2);
+    // the fresh connection replaced the refusing one in the pool
+    assert_eq!(status(&pool, &key("bob")).await.expect("pooled"), 200);
+    assert_eq!(pool.connector.dials(), 2);
+}
+
+#[tokio::test]
+async fn goaway_excluding_the_stream_is_retried_on_a_fresh_connection() {
+    let pool = Pool::with_connector(FakeConnector::new(&[Peer::GoAway, Peer::Accept]));
+    assert_eq!(status(&pool, &key("bob")).await.expect("retried"), 200);
+    assert_eq!(pool.connector.dials(), 2);
+}
+
+#[tokio::test]
+async fn a_second_refusal_is_returned_not_retried_again() {
+    let pool = Pool::with_connector(FakeConnector::new(&[Peer::Refuse]));
+    let err = status(&pool, &key("bob")).await.expect_err("refused twice");
+    assert!(
+        matches!(&err, PoolError::Stream { source, .. } if source.reason() == Some(h2::Reason::REFUSED_STREAM)),
+        "{err:?}"
+    );
+    assert_eq!(pool.connector.dials(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn unused_connections_are_released_and_their_keys_pruned() {
+    let pool = Pool::with_connector(FakeConnector::new(&[Peer::Accept]));
+    let (a, b) = (key("bob"), key("carol"));
+    assert_eq!(status(&pool, &a).await.expect("a"), 200);
+    assert_eq!(status(&pool, &b).await.expect("b"), 200);
+    assert_eq!((pool.len(), pool.connector.dials()), (2, 2));
+
+    tokio::time::sleep(POOL_UNUSED_RELEASE_TIMEOUT - Duration::from_secs(60)).await;
+    assert_eq!(pool.sweep(), 0, "both used within the timeout");
+    assert_eq!(status(&pool, &a).await.expect("a again"), 200);
+    assert_eq!(pool.connector.dials(), 2, "a reused its connection");
+
+    tokio::time::sleep(Duration::from_secs(120)).await;
+    assert_eq!(pool.sweep(), 1, "b unused for longer than the timeout");
+    assert_eq!(pool.len(), 1);
+
+    // the released connection closes (its last handle is gone); a's stays open
+    let mut b_closed = pool.connector.closed(1);
+    tokio::time::timeout(Duration::from_secs(5), b_closed.wait_for(|c| *c))
+        .await
+        .expect("b's connection closed")
+        .expect("flag");
+    assert!(!*pool.connector.closed(0).borrow(), "a must stay open");
+
+    assert_eq!(status(&pool, &b).await.expect("b again"), 200);
+    assert_eq!(pool.connector.dials(), 3, "b dialed anew");
+}
+
+#[tokio::test]
+async fn sweep_drops_keys_whose_dial_failed() {
+    #[derive(Debug)]
+    struct Unreachable;
+    impl Connector for Unreachable {
+        type Io = DuplexStream;
+        async fn connect(&self, key: &PoolKey) -> Result<DuplexStream, PoolError> {
+            Err(PoolError::Connect {
+                addr: key.addr,
+                source: SocketError::Io {
+                    op: "connect".into(),
+                    source: std::io::ErrorKind::ConnectionRefused.into(),
+                },
+            })
+        }
+    }
+    let pool = Pool::with_connector(Unreachable);
+    for dst in ["bob", "carol", "dave"] {
+        assert!(pool.sender(&key(dst)).await.is_err());
+    }
+    assert_eq!(pool.len(), 3);
+    assert_eq!(pool.sweep(), 3);
+    assert!(pool.is_empty());
+}
