@@ -127,7 +127,7 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
         .arg("--run-dir")
         .arg(&run_dir)
         .arg("--no-install")
-        .env("RUST_LOG", "warn")
+        .env("RUST_LOG", std::env::var("ZTNODE_BENCH_LOG").unwrap_or_else(|_| "warn".into()))
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&log)?);
     let node = ProcessGuard(lab.spawn_in_node(cmd)?);
@@ -325,6 +325,10 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
     });
     std::fs::write(&opts.json, serde_json::to_vec_pretty(&report)?)?;
     println!("\nJSON written to {}", opts.json.display());
+    let kept_log = opts.json.with_extension("node.log");
+    if std::fs::copy(&log, &kept_log).is_ok() {
+        println!("node log kept at {}", kept_log.display());
+    }
     drop(node);
     Ok(())
 }

@@ -377,8 +377,9 @@ impl PodManager {
         netns: Netns,
         ev: PodAddEvent,
     ) -> Result<AddOutcome, PodError> {
+        let start = std::time::Instant::now();
         self.apply_rules(&pod, &netns).await?;
-        tracing::info!("redirection rules installed");
+        tracing::info!(elapsed_us = start.elapsed().as_micros() as u64, "redirection rules installed");
         let mut entry = EnrolledPod {
             uid: uid.clone(),
             name: info.name.clone(),
@@ -407,7 +408,11 @@ impl PodManager {
                 pod: pod.clone(),
                 source,
             })?;
-        tracing::info!(identity.sa = %info.service_account, "pod enrolled, proxy serving it");
+        tracing::info!(
+            identity.sa = %info.service_account,
+            elapsed_us = start.elapsed().as_micros() as u64,
+            "pod enrolled, proxy serving it"
+        );
         entry.pending = false;
         let snapshot = self.update(|pods| pods.insert(uid, entry)).1;
         self.persist(snapshot).await;

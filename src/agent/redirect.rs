@@ -181,12 +181,39 @@ pub fn remove_batch() -> Batch {
 /// table is deleted when DNS capture is off), then `lo` up, the fwmark rule and the local route.
 /// Idempotent: applying twice leaves the same state as applying once. Blocking.
 pub fn apply(netns: &Netns, plan: &RedirectPlan) -> Result<(), RedirectError> {
-    let batch = apply_batch(plan);
-    let ipv6 = plan.ipv6;
+    let plan = plan.clone();
     netns.run(move || -> Result<(), RedirectError> {
-        batch.commit()?;
-        routing::apply(ipv6)
+        let mut existing = Vec::new();
+        for name in rules::all_table_names() {
+            if nft::table_exists(&Table::inet(name))? {
+                existing.push(name);
+            }
+        }
+        apply_batch_for(&plan, &existing).commit()?;
+        routing::apply(plan.ipv6)
     })?
+}
+
+/// [`apply_batch`] trimmed for a netns where only the tables named in `existing` are present: the
+/// delete (which makes the kernel wait for an RCU grace period, several ms) is only sent for tables
+/// that exist, so a fresh pod gets its rules in one cheap transaction.
+pub fn apply_batch_for(plan: &RedirectPlan, existing: &[&str]) -> Batch {
+    let full = apply_batch(plan);
+    let cmds = full.commands();
+    let mut b = Batch::new();
+    let mut i = 0;
+    while i < cmds.len() {
+        if let (Command::AddTable(a), Some(Command::DelTable(d))) = (&cmds[i], cmds.get(i + 1)) {
+            if a == d && !existing.contains(&a.name.as_str()) {
+                // nothing to replace: skip the add+delete pair
+                i += 2;
+                continue;
+            }
+        }
+        b.push(cmds[i].clone());
+        i += 1;
+    }
+    b
 }
 
 /// Removes our tables, rules and routes (v4 and v6) from `netns`. Succeeds when nothing is there.

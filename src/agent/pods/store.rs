@@ -204,11 +204,10 @@ impl Store {
         f.set_permissions(fs::Permissions::from_mode(MODE))
             .map_err(io("chmod", &tmp))?;
         f.write_all(bytes).map_err(io("write", &tmp))?;
-        f.sync_all().map_err(io("sync", &tmp))?;
         drop(f);
-        fs::rename(&tmp, &self.path).map_err(io("rename", &tmp))?;
-        fs::File::open(dir)
-            .and_then(|d| d.sync_all())
-            .map_err(io("sync", dir))
+        // No fsync: the run dir is tmpfs on nodes (/var/run) and the table only has to survive an
+        // agent restart, not a reboot (after a reboot the pods' netns are gone anyway). The rename
+        // keeps readers from ever seeing a half-written file.
+        fs::rename(&tmp, &self.path).map_err(io("rename", &tmp))
     }
 }
