@@ -127,7 +127,10 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
         .arg("--run-dir")
         .arg(&run_dir)
         .arg("--no-install")
-        .env("RUST_LOG", std::env::var("ZTNODE_BENCH_LOG").unwrap_or_else(|_| "warn".into()))
+        .env(
+            "RUST_LOG",
+            std::env::var("ZTNODE_BENCH_LOG").unwrap_or_else(|_| "warn".into()),
+        )
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&log)?);
     let node = ProcessGuard(lab.spawn_in_node(cmd)?);
@@ -503,9 +506,7 @@ fn idle_connections(client: &Pod, server: &Pod, n: usize, pid: u32) -> anyhow::R
     let conns = ns.run(move || -> std::io::Result<Vec<std::net::TcpStream>> {
         let mut v = Vec::with_capacity(n);
         for _ in 0..n {
-            let mut s = std::net::TcpStream::connect(addr)?;
-            s.write_all(b"x")?;
-            v.push(s);
+            v.push(std::net::TcpStream::connect(addr)?);
         }
         Ok(v)
     })??;

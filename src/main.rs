@@ -225,8 +225,35 @@ fn worker_threads() -> usize {
         .unwrap_or(2)
 }
 
+/// Returns freed memory to the OS when a worker goes idle, at most once per second per thread:
+/// mimalloc keeps freed pages for reuse and only purges them during later allocations, so without
+/// this an idle proxy would hold the peak of its last burst (e.g. after many connections closed).
+fn collect_idle_heap() {
+    use std::cell::Cell;
+    use std::time::Instant;
+    thread_local!(static LAST: Cell<Option<Instant>> = const { Cell::new(None) });
+    LAST.with(|last| {
+        if last
+            .get()
+            .is_some_and(|t| t.elapsed() < Duration::from_secs(1))
+        {
+            return;
+        }
+        last.set(Some(Instant::now()));
+        mimalloc_collect();
+    });
+}
+
+#[allow(unsafe_code)]
+fn mimalloc_collect() {
+    // SAFETY: `mi_collect` takes no pointers and may be called from any thread at any time; it
+    // only frees memory mimalloc owns and no longer hands out.
+    unsafe { libmimalloc_sys::mi_collect(false) }
+}
+
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     Ok(tokio::runtime::Builder::new_multi_thread()
+        .on_thread_park(collect_idle_heap)
         .worker_threads(worker_threads())
         .thread_name("ztnode")
         .enable_all()

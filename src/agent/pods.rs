@@ -379,7 +379,10 @@ impl PodManager {
     ) -> Result<AddOutcome, PodError> {
         let start = std::time::Instant::now();
         self.apply_rules(&pod, &netns).await?;
-        tracing::info!(elapsed_us = start.elapsed().as_micros() as u64, "redirection rules installed");
+        tracing::info!(
+            elapsed_us = start.elapsed().as_micros() as u64,
+            "redirection rules installed"
+        );
         let mut entry = EnrolledPod {
             uid: uid.clone(),
             name: info.name.clone(),

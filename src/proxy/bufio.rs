@@ -14,6 +14,10 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 /// Bytes read from the socket per syscall while data keeps coming.
 pub const BUF_SIZE: usize = 256 * 1024;
+/// Plaintext rustls may buffer for sending on an HBONE connection (its default is 64 KiB): one
+/// `writev` then carries up to 16 TLS records.
+pub const TLS_SEND_BUFFER: usize = 256 * 1024;
+
 /// First read size after the stream was idle.
 const SMALL_SIZE: usize = 16 * 1024;
 

@@ -7,7 +7,7 @@
 //! connect succeeded, 503 otherwise. Never an open proxy. Each HBONE connection is kept alive with
 //! HTTP/2 PINGs and owns its streams ([`serve_streams`]).
 
-use crate::proxy::bufio::ReadBuffered;
+use crate::proxy::bufio::{ReadBuffered, TLS_SEND_BUFFER};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -82,6 +82,8 @@ pub async fn handle_hbone(pod: Arc<PodProxy>, tcp: TcpStream, peer: SocketAddr) 
             return;
         }
     };
+    let mut tls = tls;
+    tls.get_mut().1.set_buffer_limit(Some(TLS_SEND_BUFFER));
     let peer_id = tls
         .get_ref()
         .1

@@ -105,7 +105,8 @@ pub async fn handle(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) {
                 dst: w.identity(),
                 addr: hbone_addr,
             };
-            match connect_hbone(&pod, &key, client, target).await {
+            // Boxed: the dial/handshake state is large and must not stay in every relaying task.
+            match Box::pin(connect_hbone(&pod, &key, client, target)).await {
                 Ok((send, recv)) => match copy::relay_h2(tcp, send, recv).await {
                     Ok(t) => log.finish(&pod.ctx.metrics, ByteCounts::client_side(t), None),
                     Err(e) => log.finish(

@@ -167,9 +167,18 @@ fn remove_batch_adds_then_deletes_every_table() {
 
 #[test]
 fn fresh_netns_batch_has_no_deletes_and_existing_tables_are_replaced() {
-    let plan = RedirectPlan { dns_capture: true, ..Default::default() };
+    let plan = RedirectPlan {
+        dns_capture: true,
+        ..Default::default()
+    };
     let fresh = apply_batch_for(&plan, &[]);
-    assert!(!fresh.commands().iter().any(|c| matches!(c, Command::DelTable(_))), "{fresh:?}");
+    assert!(
+        !fresh
+            .commands()
+            .iter()
+            .any(|c| matches!(c, Command::DelTable(_))),
+        "{fresh:?}"
+    );
     let all = rules::all_table_names();
     assert_eq!(apply_batch_for(&plan, &all), apply_batch(&plan));
     let some = apply_batch_for(&plan, &[NAT_TABLE]);
