@@ -1,0 +1,97 @@
+//! The user-facing commands run end to end: `ztnode demo` and a short `ztnode bench`.
+
+mod common;
+
+use std::process::Command;
+
+#[test]
+fn demo_passes_and_cleans_up() {
+    if !common::privileged("demo_passes_and_cleans_up") {
+        return;
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_ztnode"))
+        .arg("demo")
+        .output()
+        .expect("run demo");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "demo failed:\n{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for needle in [
+        "spiffe://cluster.local/ns/default/sa/client",
+        "spiffe://cluster.local/ns/default/sa/server",
+        "all on port 15008",
+        "Demo passed",
+    ] {
+        assert!(
+            text.contains(needle),
+            "demo output lacks {needle:?}:\n{text}"
+        );
+    }
+    let netns = Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .expect("ip netns");
+    assert!(
+        !String::from_utf8_lossy(&netns.stdout).contains("ztdemo"),
+        "demo left namespaces behind"
+    );
+}
+
+#[test]
+fn bench_reports_every_figure() {
+    if !common::privileged("bench_reports_every_figure") {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let json = dir.path().join("bench.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_ztnode"))
+        .args([
+            "bench",
+            "--duration",
+            "1",
+            "--round-trips",
+            "200",
+            "--pods",
+            "4",
+            "--idle-conns",
+            "20",
+            "--json",
+        ])
+        .arg(&json)
+        .output()
+        .expect("run bench");
+    assert!(
+        out.status.success(),
+        "bench failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&json).expect("json written")).expect("json");
+    let names: Vec<_> = v["figures"]
+        .as_array()
+        .expect("figures")
+        .iter()
+        .map(|f| f["name"].as_str().unwrap_or(""))
+        .collect();
+    for want in [
+        "throughput 1 stream(s)",
+        "throughput 8 stream(s)",
+        "1 KiB round trip p50",
+        "connect + 1 KiB RTT + close",
+    ] {
+        assert!(names.contains(&want), "missing figure {want}: {names:?}");
+    }
+    for f in v["figures"].as_array().expect("figures") {
+        assert!(
+            f["direct"].as_f64().is_some_and(|x| x > 0.0)
+                && f["ztnode"].as_f64().is_some_and(|x| x > 0.0),
+            "{f}"
+        );
+    }
+    assert!(v["rss_kib"]["idle_pods"].as_u64().is_some_and(|x| x > 0));
+    assert_eq!(v["cni_add_ms"]["samples"].as_u64(), Some(2));
+}
