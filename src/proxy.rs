@@ -5,7 +5,6 @@
 //! [`identity`]) → the peer's [`inbound`] checks and forwards them to its app.
 
 pub mod accesslog;
-pub mod bufio;
 pub mod config;
 pub mod copy;
 pub mod hbone;

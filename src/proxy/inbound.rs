@@ -7,7 +7,7 @@
 //! connect succeeded, 503 otherwise. Never an open proxy. Each HBONE connection is kept alive with
 //! HTTP/2 PINGs and owns its streams ([`serve_streams`]).
 
-use crate::proxy::bufio::{ReadBuffered, TLS_SEND_BUFFER};
+use crate::proxy::hbone::TLS_SEND_BUFFER;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -70,7 +70,7 @@ pub async fn handle_hbone(pod: Arc<PodProxy>, tcp: TcpStream, peer: SocketAddr) 
     };
     let peer = socket::canonical(peer);
     let accept =
-        tokio_rustls::TlsAcceptor::from(pod.server_tls.clone()).accept(ReadBuffered::new(tcp));
+        tokio_rustls::TlsAcceptor::from(pod.server_tls.clone()).accept(tcp);
     let timed_out = || std::io::Error::new(std::io::ErrorKind::TimedOut, "handshake timed out");
     let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, accept)
         .await

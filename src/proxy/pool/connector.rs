@@ -1,7 +1,7 @@
 //! How the pool gets a transport connection to a peer: the [`Connector`] seam and its production
 //! implementation (TCP from the pod netns, then mTLS with the pod's certificate).
 
-use crate::proxy::bufio::{ReadBuffered, TLS_SEND_BUFFER};
+use crate::proxy::hbone::TLS_SEND_BUFFER;
 use std::future::Future;
 use std::sync::Arc;
 
@@ -40,7 +40,7 @@ impl PodConnector {
 }
 
 impl Connector for PodConnector {
-    type Io = tokio_rustls::client::TlsStream<ReadBuffered<TcpStream>>;
+    type Io = tokio_rustls::client::TlsStream<TcpStream>;
 
     async fn connect(&self, key: &PoolKey) -> Result<Self::Io, PoolError> {
         let tcp = self
@@ -56,7 +56,7 @@ impl Connector for PodConnector {
         // An IP server name makes rustls send no SNI, as ztunnel does.
         let name = ServerName::IpAddress(std::net::Ipv4Addr::UNSPECIFIED.into());
         let mut tls = tokio_rustls::TlsConnector::from(config)
-            .connect(name, ReadBuffered::new(tcp))
+            .connect(name, tcp)
             .await
             .map_err(|source| PoolError::Handshake {
                 addr: key.addr,
