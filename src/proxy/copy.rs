@@ -2,7 +2,7 @@
 //!
 //! Both directions run until each side has finished; EOF is propagated as a half-close (TCP
 //! `shutdown(Write)` / HTTP/2 END_STREAM), an error or a stream reset on either side ends both.
-//! Read buffers grow for bulk transfers (16 KiB, then 256 KiB after 1 MiB) so one read moves many TLS
+//! Read buffers grow for bulk transfers (16 KiB, then 1 MiB after 1 MiB) so one read moves many TLS
 //! records and HTTP/2 DATA frames; received HTTP/2 data is written out without a copy.
 
 use std::future::poll_fn;
@@ -17,7 +17,7 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 /// Initial read buffer, bytes.
 const SMALL_BUF: usize = 16 * 1024;
 /// Read buffer once a direction has moved [`GROW_AFTER`] bytes.
-const LARGE_BUF: usize = 256 * 1024;
+const LARGE_BUF: usize = 1024 * 1024;
 /// Bytes after which a direction switches to the large buffer.
 const GROW_AFTER: u64 = 1024 * 1024;
 
@@ -136,9 +136,11 @@ pub async fn h2_to_tcp<W: AsyncWrite + Unpin>(
         match recv.data().await {
             Some(Ok(chunk)) => {
                 let n = chunk.len();
+                // Released before the write (as ztunnel does) so the peer keeps sending while we
+                // write; at most one more window is buffered while the app is slow.
+                recv.flow_control().release_capacity(n).map_err(h2_io)?;
                 writer.write_all(&chunk).await?;
                 total += n as u64;
-                recv.flow_control().release_capacity(n).map_err(h2_io)?;
             }
             Some(Err(e)) if is_clean_reset(&e) => break,
             Some(Err(e)) => return Err(h2_io(e)),

@@ -69,8 +69,7 @@ pub async fn handle_hbone(pod: Arc<PodProxy>, tcp: TcpStream, peer: SocketAddr) 
         }
     };
     let peer = socket::canonical(peer);
-    let accept =
-        tokio_rustls::TlsAcceptor::from(pod.server_tls.clone()).accept(tcp);
+    let accept = tokio_rustls::TlsAcceptor::from(pod.server_tls.clone()).accept(tcp);
     let timed_out = || std::io::Error::new(std::io::ErrorKind::TimedOut, "handshake timed out");
     let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, accept)
         .await
