@@ -119,31 +119,9 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
         .collect();
     let config = lab.dir().join("local-config.yaml");
     std::fs::write(&config, lab::local_config(PREFIX, &entries))?;
-    let log = lab.dir().join("node.log");
-    let mut cmd = Command::new(&exe);
-    cmd.arg("node")
-        .arg("--config")
-        .arg(&config)
-        .arg("--run-dir")
-        .arg(&run_dir)
-        .arg("--no-install")
-        .env(
-            "RUST_LOG",
-            std::env::var("ZTNODE_BENCH_LOG").unwrap_or_else(|_| "warn".into()),
-        )
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log)?);
-    let node = ProcessGuard(lab.spawn_in_node(cmd)?);
+    let level = std::env::var("ZTNODE_BENCH_LOG").unwrap_or_else(|_| "warn".into());
+    let (node, log) = lab.start_node(&exe, &config, &run_dir, &level, &["--no-install".into()])?;
     let pid = node.0.id();
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while !run_dir.join("pluginevent.sock").exists() {
-        anyhow::ensure!(
-            Instant::now() < deadline,
-            "ztnode node did not start; see {}",
-            log.display()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
     eprintln!("bench: node up (pid {pid}); adding pods");
     let d_client = lab.add_pod("d-client", "bench")?;
     let d_server = lab.add_pod("d-server", "bench")?;

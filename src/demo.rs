@@ -11,7 +11,7 @@
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -51,11 +51,12 @@ pub fn run(verbose: bool) -> i32 {
     }
 }
 
-fn track(child: Child) -> ProcessGuard {
+/// Registers a process for the Ctrl-C cleanup.
+fn track(guard: ProcessGuard) -> ProcessGuard {
     if let Ok(mut c) = CHILDREN.lock() {
-        c.push(child.id());
+        c.push(guard.0.id());
     }
-    ProcessGuard(child)
+    guard
 }
 
 fn install_interrupt_cleanup() {
@@ -139,29 +140,17 @@ fn run_inner(verbose: bool) -> anyhow::Result<()> {
             ],
         ),
     )?;
-    let log_path = lab.dir().join("ztnode-node.log");
-    let log = std::fs::File::create(&log_path)?;
-    let mut cmd = Command::new(&exe);
-    cmd.arg("node")
-        .arg("--config")
-        .arg(&config_path)
-        .arg("--run-dir")
-        .arg(&run_dir)
-        .arg("--cni-bin-dir")
-        .arg(lab.dir().join("host-bin"))
-        .arg("--cni-conf-dir")
-        .arg(lab.dir().join("host-net.d"))
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(log);
-    std::fs::create_dir_all(lab.dir().join("host-bin"))?;
-    std::fs::create_dir_all(lab.dir().join("host-net.d"))?;
-    let _node = track(lab.spawn_in_node(cmd)?);
-    wait_for(
-        || run_dir.join("pluginevent.sock").exists(),
-        Duration::from_secs(10),
-    )
-    .context("ztnode node did not open its plugin socket (see the node log)")?;
+    let (host_bin, host_conf) = (lab.dir().join("host-bin"), lab.dir().join("host-net.d"));
+    std::fs::create_dir_all(&host_bin)?;
+    std::fs::create_dir_all(&host_conf)?;
+    let extra = [
+        "--cni-bin-dir".into(),
+        host_bin.into_os_string(),
+        "--cni-conf-dir".into(),
+        host_conf.into_os_string(),
+    ];
+    let (node, log_path) = lab.start_node(&exe, &config_path, &run_dir, "info", &extra)?;
+    let _node = track(node);
     ok(format!(
         "plugin socket {}",
         run_dir.join("pluginevent.sock").display()
@@ -209,7 +198,7 @@ fn run_inner(verbose: bool) -> anyhow::Result<()> {
                 "no outbound redirect in the client pod"
             );
             for t in tables {
-                ok(t.trim_end_matches(" {").to_string());
+                ok(t.trim_end_matches(" {"));
             }
             if verbose {
                 println!("{text}");
@@ -223,33 +212,7 @@ fn run_inner(verbose: bool) -> anyhow::Result<()> {
         "Starting a capture on the bridge and an echo server in the server pod",
     );
     let pcap = lab.dir().join("bridge.pcap");
-    let mut dump = Command::new("ip");
-    dump.args([
-        "netns",
-        "exec",
-        lab.node_name(),
-        "tcpdump",
-        "--immediate-mode",
-        "-i",
-        &lab.bridge(),
-        "-U",
-        "-n",
-        "-w",
-    ])
-    .arg(&pcap)
-    .arg("tcp")
-    .stdout(Stdio::null())
-    .stderr(std::fs::File::create(lab.dir().join("tcpdump.log"))?);
-    let dump = track(
-        dump.spawn()
-            .context("start tcpdump (install the tcpdump package)")?,
-    );
-    let tcpdump_log = lab.dir().join("tcpdump.log");
-    wait_for(
-        || std::fs::read_to_string(&tcpdump_log).is_ok_and(|t| t.contains("listening on")),
-        Duration::from_secs(10),
-    )
-    .context("tcpdump did not start listening on the bridge")?;
+    let dump = track(lab.capture(&pcap)?);
     let server_ns = Netns::open(&server.netns_path)?;
     let listener = Lab::listen_in(&server_ns, SocketAddr::new(server_ip, APP_PORT))?;
     let echo = std::thread::spawn(move || -> std::io::Result<SocketAddr> {
@@ -334,17 +297,6 @@ fn run_inner(verbose: bool) -> anyhow::Result<()> {
     ));
     println!("\nCleaning up (CNI DEL, namespaces, processes)");
     Ok(())
-}
-
-fn wait_for(mut cond: impl FnMut() -> bool, timeout: Duration) -> anyhow::Result<()> {
-    let deadline = Instant::now() + timeout;
-    while Instant::now() < deadline {
-        if cond() {
-            return Ok(());
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    anyhow::bail!("timed out after {timeout:?}")
 }
 
 /// Reads "connection complete" access-log lines and returns a summary per direction with the

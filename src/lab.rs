@@ -47,6 +47,14 @@ pub enum LabError {
     /// Opening a namespace failed.
     #[error(transparent)]
     Netns(#[from] NetnsError),
+    /// `ztnode node` did not open its plugin socket in time.
+    #[error("ztnode node did not start within 15 s; see {0}")]
+    NodeStart(PathBuf),
+    /// tcpdump did not start listening in time.
+    #[error(
+        "tcpdump did not start listening on the bridge (is the tcpdump package installed?); see {0}"
+    )]
+    Capture(PathBuf),
 }
 
 /// Options of a lab.
@@ -322,6 +330,78 @@ fn fxhash(s: &str) -> u64 {
 }
 
 impl Lab {
+    /// Starts `<exe> node --config <config> --run-dir <run_dir> <extra...>` inside the
+    /// node netns with `RUST_LOG=<log_level>` and stderr in `<lab dir>/node.log`, and waits up to 15 s
+    /// for its plugin socket. Returns the process (stopped when dropped) and the log path.
+    pub fn start_node(
+        &self,
+        exe: &Path,
+        config: &Path,
+        run_dir: &Path,
+        log_level: &str,
+        extra: &[std::ffi::OsString],
+    ) -> Result<(ProcessGuard, PathBuf), LabError> {
+        let log = self.dir.join("node.log");
+        let stderr =
+            std::fs::File::create(&log).map_err(io(format!("create {}", log.display())))?;
+        let mut cmd = Command::new(exe);
+        cmd.arg("node")
+            .arg("--config")
+            .arg(config)
+            .arg("--run-dir")
+            .arg(run_dir)
+            .args(extra)
+            .env("RUST_LOG", log_level)
+            .stdout(std::process::Stdio::null())
+            .stderr(stderr);
+        let node = ProcessGuard(self.spawn_in_node(cmd)?);
+        let socket = crate::podevent::plugin_socket_path(run_dir);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+        while !socket.exists() {
+            if std::time::Instant::now() >= deadline {
+                return Err(LabError::NodeStart(log));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        Ok((node, log))
+    }
+
+    /// Starts tcpdump on the bridge (TCP only, immediate mode) writing to `pcap`, and waits until it
+    /// listens. Stop it (drop the guard) before reading the file.
+    pub fn capture(&self, pcap: &Path) -> Result<ProcessGuard, LabError> {
+        let log = pcap.with_extension("tcpdump.log");
+        let stderr =
+            std::fs::File::create(&log).map_err(io(format!("create {}", log.display())))?;
+        let child = Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &self.node_name,
+                "tcpdump",
+                "--immediate-mode",
+                "-i",
+                &self.bridge(),
+                "-U",
+                "-n",
+                "-w",
+            ])
+            .arg(pcap)
+            .arg("tcp")
+            .stdout(std::process::Stdio::null())
+            .stderr(stderr)
+            .spawn()
+            .map_err(io("start tcpdump"))?;
+        let guard = ProcessGuard(child);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !std::fs::read_to_string(&log).is_ok_and(|t| t.contains("listening on")) {
+            if std::time::Instant::now() >= deadline {
+                return Err(LabError::Capture(log));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        Ok(guard)
+    }
+
     /// Spawns `cmd` inside the node netns (the child inherits the namespace of the spawning thread).
     pub fn spawn_in_node(&self, mut cmd: Command) -> Result<std::process::Child, LabError> {
         self.node

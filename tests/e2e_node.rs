@@ -5,7 +5,6 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr};
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::node::MeshNode;
@@ -43,26 +42,7 @@ fn pods_talk_over_hbone_with_identities_and_real_source_ip() {
     );
 
     let pcap = node.lab.dir().join("e2e.pcap");
-    let mut dump = Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            node.lab.node_name(),
-            "tcpdump",
-            "--immediate-mode",
-            "-i",
-            &node.lab.bridge(),
-            "-U",
-            "-n",
-            "-w",
-        ])
-        .arg(&pcap)
-        .arg("tcp")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("tcpdump");
-    std::thread::sleep(Duration::from_millis(700));
+    let dump = node.lab.capture(&pcap).expect("tcpdump");
 
     let server_ns = Netns::open(&node.server.netns_path).expect("server netns");
     let client_ns = Netns::open(&node.client.netns_path).expect("client netns");
@@ -107,11 +87,7 @@ fn pods_talk_over_hbone_with_identities_and_real_source_ip() {
     );
 
     std::thread::sleep(Duration::from_millis(500));
-    let _ = nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(dump.id() as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    );
-    let _ = dump.wait();
+    drop(dump);
     let data = std::fs::read(&pcap).expect("pcap");
     let segs = ztnode::pcap::tcp_segments(&data).expect("parse pcap");
     let between: Vec<_> = segs

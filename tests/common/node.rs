@@ -2,7 +2,7 @@
 #![allow(dead_code)]
 
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use ztnode::lab::{self, Lab, LabOptions, Pod};
@@ -50,28 +50,15 @@ impl MeshNode {
             ),
         )
         .expect("write config");
-        let log = lab.dir().join("node.log");
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_ztnode"));
-        cmd.arg("node")
-            .arg("--config")
-            .arg(&config)
-            .arg("--run-dir")
-            .arg(&run_dir)
-            .arg("--no-install")
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).expect("log file"));
-        let process = NodeProcess(lab.spawn_in_node(cmd).expect("spawn ztnode node"));
-        let sock = run_dir.join("pluginevent.sock");
-        let deadline = Instant::now() + Duration::from_secs(15);
-        while !sock.exists() {
-            assert!(
-                Instant::now() < deadline,
-                "node did not start: {}",
-                std::fs::read_to_string(&log).unwrap_or_default()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let (process, log) = lab
+            .start_node(
+                env!("CARGO_BIN_EXE_ztnode").as_ref(),
+                &config,
+                &run_dir,
+                "info",
+                &["--no-install".into()],
+            )
+            .expect("start ztnode node");
         let client = lab.add_pod("client", "default").expect("add client");
         let server = lab.add_pod("server", "default").expect("add server");
         let outsider = lab.add_pod("outsider", "default").expect("add outsider");
