@@ -204,11 +204,13 @@ pub fn apply_batch_for(plan: &RedirectPlan, existing: &[&str]) -> Batch {
     let mut i = 0;
     while i < cmds.len() {
         if let (Command::AddTable(a), Some(Command::DelTable(d))) = (&cmds[i], cmds.get(i + 1))
-            && a == d && !existing.contains(&a.name.as_str()) {
-                // nothing to replace: skip the add+delete pair
-                i += 2;
-                continue;
-            }
+            && a == d
+            && !existing.contains(&a.name.as_str())
+        {
+            // nothing to replace: skip the add+delete pair
+            i += 2;
+            continue;
+        }
         b.push(cmds[i].clone());
         i += 1;
     }
