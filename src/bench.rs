@@ -89,10 +89,13 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
     );
     anyhow::ensure!(opts.pods >= 2, "--pods must be at least 2");
     crate::raise_nofile_limit();
-    for name in ["node", "d-client", "d-server", "m-client", "m-server"] {
-        let _ = Command::new("ip")
-            .args(["netns", "del", &format!("{PREFIX}-{name}")])
-            .output();
+    // Namespaces an interrupted earlier run may have left.
+    if let Ok(out) = Command::new("ip").args(["netns", "list"]).output() {
+        for name in String::from_utf8_lossy(&out.stdout).split_whitespace() {
+            if name.starts_with(&format!("{PREFIX}-")) {
+                let _ = Command::new("ip").args(["netns", "del", name]).output();
+            }
+        }
     }
     let exe = std::env::current_exe()?;
     let run_dir = std::env::temp_dir()
