@@ -7,9 +7,7 @@
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc as stdmpsc;
-use std::sync::{Arc, Mutex};
 
 use socket2::{Domain, Protocol, SockAddr, SockRef, Socket, Type};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
@@ -48,35 +46,13 @@ fn io_err(op: impl Into<String>) -> impl FnOnce(io::Error) -> SocketError {
     move |source| SocketError::Io { op, source }
 }
 
-/// IPv4 sockets kept ready per pod once it made its first connection, so most connects do not
-/// wait for the socket thread.
-const STOCK: usize = 4;
-
-enum Request {
-    Create(Domain, oneshot::Sender<io::Result<Socket>>),
-    Refill,
-}
+type Request = (Domain, oneshot::Sender<io::Result<Socket>>);
 
 /// Creates TCP sockets inside one pod's netns, all marked with the packet mark.
 #[derive(Debug, Clone)]
 pub struct PodSockets {
     tx: stdmpsc::Sender<Request>,
     mark: u32,
-    stock: Arc<Stock>,
-}
-
-#[derive(Debug, Default)]
-struct Stock {
-    v4: Mutex<Vec<Socket>>,
-    refilling: AtomicBool,
-}
-
-fn new_socket(domain: Domain) -> io::Result<Socket> {
-    Socket::new(
-        domain,
-        Type::STREAM.nonblocking().cloexec(),
-        Some(Protocol::TCP),
-    )
 }
 
 impl PodSockets {
@@ -86,8 +62,6 @@ impl PodSockets {
         let (ready_tx, ready_rx) = stdmpsc::channel();
         let id = netns.id();
         let netns = netns.clone();
-        let stock = Arc::new(Stock::default());
-        let thread_stock = stock.clone();
         std::thread::Builder::new()
             .name("pod-sockets".into())
             .spawn(move || {
@@ -97,51 +71,32 @@ impl PodSockets {
                 if !ok {
                     return;
                 }
-                while let Ok(req) = rx.recv() {
-                    match req {
-                        Request::Create(domain, reply) => {
-                            let _ = reply.send(new_socket(domain));
-                        }
-                        Request::Refill => {
-                            let missing = STOCK.saturating_sub(thread_stock.len());
-                            let fresh: Vec<_> = (0..missing)
-                                .filter_map(|_| new_socket(Domain::IPV4).ok())
-                                .collect();
-                            thread_stock.put(fresh);
-                        }
-                    }
+                while let Ok((domain, reply)) = rx.recv() {
+                    let sock = Socket::new(
+                        domain,
+                        Type::STREAM.nonblocking().cloexec(),
+                        Some(Protocol::TCP),
+                    );
+                    let _ = reply.send(sock);
                 }
             })
             .map_err(io_err("spawn pod socket thread"))?;
         match ready_rx.recv() {
-            Ok(Ok(())) => Ok(PodSockets { tx, mark, stock }),
+            Ok(Ok(())) => Ok(PodSockets { tx, mark }),
             Ok(Err(source)) => Err(SocketError::Netns(NetnsError::Enter { id, source })),
             Err(_) => Err(SocketError::Stopped),
         }
     }
 
     async fn socket(&self, domain: Domain) -> Result<Socket, SocketError> {
-        let stocked = if domain == Domain::IPV4 {
-            self.stock.take()
-        } else {
-            None
-        };
-        if domain == Domain::IPV4 && !self.stock.refilling.swap(true, Ordering::AcqRel) {
-            let _ = self.tx.send(Request::Refill);
-        }
-        let sock = match stocked {
-            Some(s) => s,
-            None => {
-                let (reply_tx, reply_rx) = oneshot::channel();
-                self.tx
-                    .send(Request::Create(domain, reply_tx))
-                    .map_err(|_| SocketError::Stopped)?;
-                reply_rx
-                    .await
-                    .map_err(|_| SocketError::Stopped)?
-                    .map_err(io_err("socket"))?
-            }
-        };
+        let (reply_tx, reply_rx) = oneshot::channel();
+        self.tx
+            .send((domain, reply_tx))
+            .map_err(|_| SocketError::Stopped)?;
+        let sock = reply_rx
+            .await
+            .map_err(|_| SocketError::Stopped)?
+            .map_err(io_err("socket"))?;
         if self.mark != 0 {
             sock.set_mark(self.mark).map_err(io_err("set SO_MARK"))?;
         }
@@ -212,24 +167,6 @@ impl PodSockets {
                 source: io::Error::new(io::ErrorKind::TimedOut, "connect timed out"),
             }),
         }
-    }
-}
-
-impl Stock {
-    fn take(&self) -> Option<Socket> {
-        self.v4.lock().unwrap_or_else(|p| p.into_inner()).pop()
-    }
-
-    fn len(&self) -> usize {
-        self.v4.lock().unwrap_or_else(|p| p.into_inner()).len()
-    }
-
-    fn put(&self, fresh: Vec<Socket>) {
-        self.v4
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .extend(fresh);
-        self.refilling.store(false, Ordering::Release);
     }
 }
 
