@@ -18,4 +18,8 @@ fi
 if command -v rustup >/dev/null 2>&1; then
   rustup target list --installed | grep -q x86_64-unknown-linux-musl || rustup target add x86_64-unknown-linux-musl
 fi
+if ! command -v cargo >/dev/null 2>&1; then
+  echo "setup: no Rust toolchain on PATH: install rustup (Rust >= 1.90); under sudo keep your PATH: sudo env \"PATH=\$PATH\" $0" >&2
+  exit 1
+fi
 echo "setup: ok"
