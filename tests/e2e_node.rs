@@ -7,20 +7,9 @@ use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
-use common::node::MeshNode;
+use common::node::{MeshNode, echo_once};
 use ztnode::lab::Lab;
 use ztnode::netns::Netns;
-
-fn echo_once(ns: &Netns, addr: SocketAddr) -> std::thread::JoinHandle<(Vec<u8>, SocketAddr)> {
-    let listener = Lab::listen_in(ns, addr).expect("listen");
-    std::thread::spawn(move || {
-        let (mut s, peer) = listener.accept().expect("accept");
-        let mut buf = Vec::new();
-        s.read_to_end(&mut buf).expect("read");
-        s.write_all(&buf).expect("echo");
-        (buf, peer)
-    })
-}
 
 #[test]
 fn pods_talk_over_hbone_with_identities_and_real_source_ip() {

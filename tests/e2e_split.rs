@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::node::echo_once;
 use ztnode::cnichain::Attachment;
 use ztnode::lab::{self, Lab, LabOptions, ProcessGuard};
 use ztnode::netns::Netns;
@@ -156,18 +157,6 @@ fn start_proxy(lab: &Lab, config: &Path, run_dir: &Path, zds: &Path, log: PathBu
     let process = ProcessGuard(lab.spawn_in_node(cmd).expect("spawn ztnode proxy"));
     wait_log(&log, &["snapshot received"], Duration::from_secs(20));
     Proxy { process, log }
-}
-
-/// Echoes one connection on `addr` inside `ns`; returns what it read and the peer address.
-fn echo_once(ns: &Netns, addr: SocketAddr) -> std::thread::JoinHandle<(Vec<u8>, SocketAddr)> {
-    let listener = Lab::listen_in(ns, addr).expect("listen");
-    std::thread::spawn(move || {
-        let (mut s, peer) = listener.accept().expect("accept");
-        let mut buf = Vec::new();
-        s.read_to_end(&mut buf).expect("read");
-        s.write_all(&buf).expect("echo");
-        (buf, peer)
-    })
 }
 
 /// Sends `msg` from `client_ns` to `app`, checks the echo and the source address the app saw, and

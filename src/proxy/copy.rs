@@ -53,6 +53,22 @@ fn is_clean_reset(e: &h2::Error) -> bool {
 /// readable and handed to h2 whole (zero-copy), so an idle connection costs no user-space memory.
 pub async fn tcp_to_h2(reader: OwnedReadHalf, mut send: SendStream<Bytes>) -> io::Result<u64> {
     let mut total = 0u64;
+    while let Some(buf) = read_chunk(&reader, total).await? {
+        total += buf.len() as u64;
+        let mut chunk = buf.freeze();
+        while !chunk.is_empty() {
+            let cap = capacity(&mut send, chunk.len()).await?;
+            let part = chunk.split_to(cap.min(chunk.len()));
+            send.send_data(part, false).map_err(h2_io)?;
+        }
+    }
+    send.send_data(Bytes::new(), true).map_err(h2_io)?;
+    Ok(total)
+}
+
+/// Waits until `reader` is readable, then reads into a fresh buffer sized by how much this
+/// direction has moved so far (`total`). `None` at EOF. The buffer exists only while data flows.
+async fn read_chunk(reader: &OwnedReadHalf, total: u64) -> io::Result<Option<BytesMut>> {
     loop {
         reader.readable().await?;
         let want = if total >= GROW_AFTER {
@@ -61,21 +77,11 @@ pub async fn tcp_to_h2(reader: OwnedReadHalf, mut send: SendStream<Bytes>) -> io
             SMALL_BUF
         };
         let mut buf = BytesMut::with_capacity(want);
-        let n = match reader.try_read_buf(&mut buf) {
-            Ok(n) => n,
+        match reader.try_read_buf(&mut buf) {
+            Ok(0) => return Ok(None),
+            Ok(_) => return Ok(Some(buf)),
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
             Err(e) => return Err(e),
-        };
-        if n == 0 {
-            send.send_data(Bytes::new(), true).map_err(h2_io)?;
-            return Ok(total);
-        }
-        total += n as u64;
-        let mut chunk = buf.freeze();
-        while !chunk.is_empty() {
-            let cap = capacity(&mut send, chunk.len()).await?;
-            let part = chunk.split_to(cap.min(chunk.len()));
-            send.send_data(part, false).map_err(h2_io)?;
         }
     }
 }
@@ -104,23 +110,9 @@ async fn capacity(send: &mut SendStream<Bytes>, want: usize) -> io::Result<usize
 /// Copies `reader` into `writer` until EOF, then half-closes `writer`; buffers only while data flows.
 async fn tcp_to_tcp(reader: OwnedReadHalf, mut writer: OwnedWriteHalf) -> io::Result<u64> {
     let mut total = 0u64;
-    loop {
-        reader.readable().await?;
-        let want = if total >= GROW_AFTER {
-            LARGE_BUF
-        } else {
-            SMALL_BUF
-        };
-        let mut buf = BytesMut::with_capacity(want);
-        match reader.try_read_buf(&mut buf) {
-            Ok(0) => break,
-            Ok(n) => {
-                total += n as u64;
-                writer.write_all(&buf).await?;
-            }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-            Err(e) => return Err(e),
-        }
+    while let Some(buf) = read_chunk(&reader, total).await? {
+        total += buf.len() as u64;
+        writer.write_all(&buf).await?;
     }
     writer.shutdown().await?;
     Ok(total)

@@ -114,3 +114,20 @@ impl Drop for MeshNode {
         let _ = std::fs::remove_dir_all(&self.run_dir);
     }
 }
+
+/// Echoes one connection on `addr` inside `ns` (reads to EOF, writes it back); returns what it read
+/// and the peer address.
+pub fn echo_once(
+    ns: &ztnode::netns::Netns,
+    addr: std::net::SocketAddr,
+) -> std::thread::JoinHandle<(Vec<u8>, std::net::SocketAddr)> {
+    use std::io::{Read, Write};
+    let listener = Lab::listen_in(ns, addr).expect("listen");
+    std::thread::spawn(move || {
+        let (mut s, peer) = listener.accept().expect("accept");
+        let mut buf = Vec::new();
+        s.read_to_end(&mut buf).expect("read");
+        s.write_all(&buf).expect("echo");
+        (buf, peer)
+    })
+}

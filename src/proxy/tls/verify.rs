@@ -146,10 +146,7 @@ impl ServerCertVerifier for PeerIdentityVerifier {
             self.algs.all,
         )?;
         let presented = uri_sans(end_entity);
-        let ok = presented
-            .iter()
-            .filter_map(|uri| uri.parse::<Identity>().ok())
-            .any(|id| self.expected.contains(&id));
+        let ok = spiffe_ids(&presented).any(|id| self.expected.contains(&id));
         if ok {
             Ok(ServerCertVerified::assertion())
         } else {
@@ -227,10 +224,7 @@ impl ClientCertVerifier for TrustDomainVerifier {
         self.inner
             .verify_client_cert(end_entity, intermediates, now)?;
         let presented = uri_sans(end_entity);
-        let ok = presented
-            .iter()
-            .filter_map(|uri| uri.parse::<Identity>().ok())
-            .any(|id| id.trust_domain == self.trust_domain);
+        let ok = spiffe_ids(&presented).any(|id| id.trust_domain == self.trust_domain);
         if ok {
             Ok(ClientCertVerified::assertion())
         } else {
@@ -270,4 +264,9 @@ impl fmt::Debug for TrustDomainVerifier {
             .field("trust_domain", &self.trust_domain)
             .finish_non_exhaustive()
     }
+}
+
+/// The URI SANs that parse as SPIFFE identities (others, and DNS SANs, are ignored).
+fn spiffe_ids(uris: &[String]) -> impl Iterator<Item = Identity> + '_ {
+    uris.iter().filter_map(|uri| uri.parse::<Identity>().ok())
 }
