@@ -36,6 +36,23 @@ pub struct BenchOptions {
     pub json: PathBuf,
     /// Keep the lab up this long before measuring (for attaching a profiler by hand).
     pub hold: Duration,
+    /// Sections to run; empty means all.
+    pub only: Vec<Section>,
+}
+
+/// A part of the benchmark that `--only` can select.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Section {
+    /// iperf3 throughput, 1 and 8 streams.
+    Throughput,
+    /// 1 KiB round trips on one kept connection.
+    Latency,
+    /// New connection + 1 KiB round trip + close per second.
+    Rate,
+    /// RSS: idle with N pods, with the idle connections held, after they close.
+    Memory,
+    /// CNI ADD exec time over the extra pods.
+    Cni,
 }
 
 const PREFIX: &str = "ztbench";
@@ -135,10 +152,12 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
         "unexpected pod IPs"
     );
     let rss_2 = settle_rss(pid)?;
+    let wants = |s: Section| opts.only.is_empty() || opts.only.contains(&s);
+    let extra_pods = wants(Section::Memory) || wants(Section::Cni);
 
     let mut plugin_ms = Vec::new();
     let mut chain_ms = Vec::new();
-    for (name, _) in mesh.iter().skip(2) {
+    for (name, _) in mesh.iter().skip(2).filter(|_| extra_pods) {
         let pod = lab.add_pod(name, "bench")?;
         for (plugin, d) in &pod.add_timings {
             if plugin == "ztnode-cni" {
@@ -170,46 +189,138 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
     }
     let secs = opts.duration.as_secs().max(1);
     let mut rows = Vec::new();
-    for streams in [1usize, 8] {
-        let direct = iperf(&d_client, &d_server, streams, secs)?;
-        let mesh_v = iperf(&m_client, &m_server, streams, secs)?;
+    let mut values: Vec<Value> = Vec::new();
+    if wants(Section::Throughput) {
+        for streams in [1usize, 8] {
+            let direct = iperf(&d_client, &d_server, streams, secs)?;
+            let mesh_v = iperf(&m_client, &m_server, streams, secs)?;
+            rows.push(Row::new(
+                format!("throughput {streams} stream(s)"),
+                "Gbit/s",
+                direct,
+                mesh_v,
+            ));
+        }
+    }
+    if wants(Section::Latency) {
+        let lat = latency(
+            &d_client,
+            &d_server,
+            &m_client,
+            &m_server,
+            opts.round_trips,
+            7100,
+            None,
+        )?;
+        let one_cpu = latency(
+            &d_client,
+            &d_server,
+            &m_client,
+            &m_server,
+            opts.round_trips,
+            7110,
+            Some(pid),
+        )?;
+        for (what, l, key) in [("", &lat, ""), (", one CPU", &one_cpu, "_one_cpu")] {
+            rows.push(Row::new(
+                format!("1 KiB round trip p50{what}"),
+                "µs",
+                l.direct_p50,
+                l.mesh_p50,
+            ));
+            rows.push(Row::new(
+                format!("1 KiB round trip p99{what}"),
+                "µs",
+                l.direct_p99,
+                l.mesh_p99,
+            ));
+            values.push(Value::new(
+                &format!("added RTT p50{what} (µs)"),
+                if key.is_empty() {
+                    "added_rtt_p50_us"
+                } else {
+                    "added_rtt_p50_one_cpu_us"
+                },
+                l.mesh_p50 - l.direct_p50,
+                2,
+            ));
+            values.push(Value::new(
+                &format!("added RTT p99{what} (µs)"),
+                if key.is_empty() {
+                    "added_rtt_p99_us"
+                } else {
+                    "added_rtt_p99_one_cpu_us"
+                },
+                l.mesh_p99 - l.direct_p99,
+                2,
+            ));
+        }
+    }
+    if wants(Section::Rate) {
+        let dc = conn_rate(&d_client, &d_server, opts.duration)?;
+        let mc = conn_rate(&m_client, &m_server, opts.duration)?;
         rows.push(Row::new(
-            format!("throughput {streams} stream(s)"),
-            "Gbit/s",
-            direct,
-            mesh_v,
-            true,
+            "connect + 1 KiB RTT + close".into(),
+            "conn/s",
+            dc,
+            mc,
         ));
     }
-    let (d50, d99) = latency(&d_client, &d_server, opts.round_trips)?;
-    let (m50, m99) = latency(&m_client, &m_server, opts.round_trips)?;
-    rows.push(Row::new(
-        "1 KiB round trip p50".into(),
-        "µs",
-        d50,
-        m50,
-        false,
-    ));
-    rows.push(Row::new(
-        "1 KiB round trip p99".into(),
-        "µs",
-        d99,
-        m99,
-        false,
-    ));
-    let dc = conn_rate(&d_client, &d_server, opts.duration)?;
-    let mc = conn_rate(&m_client, &m_server, opts.duration)?;
-    rows.push(Row::new(
-        "connect + 1 KiB RTT + close".into(),
-        "conn/s",
-        dc,
-        mc,
-        true,
-    ));
-
-    let (rss_conns, rss_after) = idle_connections(&m_client, &m_server, opts.idle_conns, pid)?;
-    let per_conn =
-        (rss_conns.saturating_sub(rss_n)) as f64 * 1024.0 / opts.idle_conns.max(1) as f64;
+    let mib = |kib: u64| kib as f64 / 1024.0;
+    if wants(Section::Memory) {
+        let (rss_conns, rss_after) = idle_connections(&m_client, &m_server, opts.idle_conns, pid)?;
+        let per_conn_kib = rss_conns.saturating_sub(rss_n) as f64 / opts.idle_conns.max(1) as f64;
+        values.push(Value::new(
+            "RSS idle, 2 pods (MiB)",
+            "rss_idle_2_pods_mib",
+            mib(rss_2),
+            1,
+        ));
+        values.push(Value::new(
+            &format!("RSS idle, {} pods (MiB)", opts.pods),
+            "rss_idle_pods_mib",
+            mib(rss_n),
+            1,
+        ));
+        values.push(Value::new(
+            &format!("RSS, {} idle conns (MiB)", opts.idle_conns),
+            "rss_idle_conns_mib",
+            mib(rss_conns),
+            1,
+        ));
+        values.push(Value::new(
+            "per idle connection (KiB)",
+            "per_idle_conn_kib",
+            per_conn_kib,
+            2,
+        ));
+        values.push(Value::new(
+            "RSS after they closed (MiB)",
+            "rss_after_close_mib",
+            mib(rss_after),
+            1,
+        ));
+    }
+    if wants(Section::Cni) {
+        values.push(Value::new(
+            "ztnode-cni ADD p50 (ms)",
+            "ztnode_cni_add_p50_ms",
+            percentile(&plugin_ms, 0.5),
+            2,
+        ));
+        values.push(Value::new(
+            "ztnode-cni ADD p99 (ms)",
+            "ztnode_cni_add_p99_ms",
+            percentile(&plugin_ms, 0.99),
+            2,
+        ));
+        values.push(Value::new(
+            "whole chain ADD p50 (ms)",
+            "chain_add_p50_ms",
+            percentile(&chain_ms, 0.5),
+            2,
+        ));
+    }
 
     println!(
         "\nztnode bench ({}s per throughput/rate figure, {} round trips, 2 cores shared by everything)",
@@ -225,88 +336,28 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
             r.name, r.direct, r.mesh, r.ratio, r.unit
         );
     }
-    println!(
-        "{:<32} {:>12} {:>12.2} {:>10}",
-        "added RTT p50 (µs)",
-        "",
-        m50 - d50,
-        ""
-    );
-    println!(
-        "{:<32} {:>12} {:>12.2} {:>10}",
-        "added RTT p99 (µs)",
-        "",
-        m99 - d99,
-        ""
-    );
-    println!(
-        "{:<32} {:>12} {:>12.1} {:>10}",
-        "RSS idle, 2 pods (MiB)",
-        "",
-        rss_2 as f64 / 1024.0,
-        ""
-    );
-    println!(
-        "{:<32} {:>12} {:>12.1} {:>10}",
-        format!("RSS idle, {} pods (MiB)", opts.pods),
-        "",
-        rss_n as f64 / 1024.0,
-        ""
-    );
-    println!(
-        "{:<32} {:>12} {:>12.1} {:>10}",
-        format!("RSS, {} idle conns (MiB)", opts.idle_conns),
-        "",
-        rss_conns as f64 / 1024.0,
-        ""
-    );
-    println!(
-        "{:<32} {:>12} {:>12.2} {:>10}",
-        "per idle connection (KiB)",
-        "",
-        per_conn / 1024.0,
-        ""
-    );
-    println!(
-        "{:<32} {:>12} {:>12.1} {:>10}",
-        "RSS after they closed (MiB)",
-        "",
-        rss_after as f64 / 1024.0,
-        ""
-    );
-    println!(
-        "{:<32} {:>12} {:>12.2} {:>10}",
-        "ztnode-cni ADD p50 (ms)",
-        "",
-        percentile(&plugin_ms, 0.5),
-        ""
-    );
-    println!(
-        "{:<32} {:>12} {:>12.2} {:>10}",
-        "ztnode-cni ADD p99 (ms)",
-        "",
-        percentile(&plugin_ms, 0.99),
-        ""
-    );
-    println!(
-        "{:<32} {:>12} {:>12.2} {:>10}",
-        "whole chain ADD p50 (ms)",
-        "",
-        percentile(&chain_ms, 0.5),
-        ""
-    );
+    for v in &values {
+        println!(
+            "{:<32} {:>12} {:>12.prec$} {:>10}",
+            v.label,
+            "",
+            v.value,
+            "",
+            prec = v.precision
+        );
+    }
 
-    let report = json!({
+    let mut report = json!({
         "duration_secs": secs,
         "round_trips": opts.round_trips,
+        "pods": opts.pods,
+        "idle_conns": opts.idle_conns,
+        "cni_add_samples": plugin_ms.len(),
         "figures": rows.iter().map(|r| json!({"name": r.name, "unit": r.unit, "direct": r.direct, "ztnode": r.mesh, "ratio": r.ratio})).collect::<Vec<_>>(),
-        "added_rtt_p50_us": m50 - d50,
-        "added_rtt_p99_us": m99 - d99,
-        "rss_kib": {"idle_2_pods": rss_2, "idle_pods": rss_n, "pods": opts.pods, "idle_conns": rss_conns, "conns": opts.idle_conns, "after_close": rss_after},
-        "per_idle_conn_bytes": per_conn,
-        "cni_add_ms": {"ztnode_cni_p50": percentile(&plugin_ms, 0.5), "ztnode_cni_p99": percentile(&plugin_ms, 0.99),
-                       "chain_p50": percentile(&chain_ms, 0.5), "chain_p99": percentile(&chain_ms, 0.99), "samples": plugin_ms.len()},
     });
+    for v in &values {
+        report[v.key] = json!(v.value);
+    }
     std::fs::write(&opts.json, serde_json::to_vec_pretty(&report)?)?;
     println!("\nJSON written to {}", opts.json.display());
     let kept_log = opts.json.with_extension("node.log");
@@ -315,6 +366,25 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
     }
     drop(node);
     Ok(())
+}
+
+/// One single-valued figure: table label, JSON key, value, printed decimals.
+struct Value {
+    label: String,
+    key: &'static str,
+    value: f64,
+    precision: usize,
+}
+
+impl Value {
+    fn new(label: &str, key: &'static str, value: f64, precision: usize) -> Value {
+        Value {
+            label: label.to_owned(),
+            key,
+            value,
+            precision,
+        }
+    }
 }
 
 struct Row {
@@ -326,14 +396,7 @@ struct Row {
 }
 
 impl Row {
-    fn new(
-        name: String,
-        unit: &'static str,
-        direct: f64,
-        mesh: f64,
-        higher_is_better: bool,
-    ) -> Row {
-        let _ = higher_is_better;
+    fn new(name: String, unit: &'static str, direct: f64, mesh: f64) -> Row {
         let ratio = if direct > 0.0 { mesh / direct } else { 0.0 };
         Row {
             name,
@@ -422,28 +485,108 @@ fn stop_server(client: &Netns, addr: SocketAddr, listener_thread: std::thread::J
     let _ = Lab::connect_from(client, addr);
 }
 
-fn latency(client: &Pod, server: &Pod, n: usize) -> anyhow::Result<(f64, f64)> {
-    let (addr, handle) = echo_server(server, 7100, false)?;
-    let ns = Netns::open(&client.netns_path)?;
-    let mut s = Lab::connect_from(&ns, addr)?;
-    s.set_nodelay(true)?;
+/// Keeps the calling thread and every thread of a process on CPU 0 until dropped (then back on all
+/// CPUs). With everything on one CPU a wake-up is a context switch; across CPUs of this VM it is an
+/// inter-processor interrupt that costs 15–20 µs per hop (seen with `perf sched timehist`), and the
+/// mesh path has two more hops than the direct one.
+struct OneCpu {
+    pid: u32,
+}
+
+impl OneCpu {
+    fn pin(pid: u32) -> anyhow::Result<OneCpu> {
+        let mut one = nix::sched::CpuSet::new();
+        one.set(0)?;
+        nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &one)?;
+        set_process_affinity(pid, &one)?;
+        Ok(OneCpu { pid })
+    }
+}
+
+impl Drop for OneCpu {
+    fn drop(&mut self) {
+        let mut all = nix::sched::CpuSet::new();
+        for cpu in 0..nix::sched::CpuSet::count() {
+            let _ = all.set(cpu);
+        }
+        let _ = nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &all);
+        let _ = set_process_affinity(self.pid, &all);
+    }
+}
+
+/// Sets the CPU affinity of every thread of `pid`.
+fn set_process_affinity(pid: u32, set: &nix::sched::CpuSet) -> anyhow::Result<()> {
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+        let tid: i32 = task?
+            .file_name()
+            .to_string_lossy()
+            .parse()
+            .context("task id")?;
+        // A thread may have exited since the listing.
+        let _ = nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(tid), set);
+    }
+    Ok(())
+}
+
+/// Round-trip percentiles of both paths, µs.
+struct Latency {
+    direct_p50: f64,
+    direct_p99: f64,
+    mesh_p50: f64,
+    mesh_p99: f64,
+}
+
+/// 1 KiB round trips on one kept connection per path. The two paths alternate sample by sample, so
+/// both see the same machine (CPU wake-up latency on this VM moves the direct p50 by tens of µs
+/// between runs; measuring the paths one after the other would put that drift into the difference).
+fn latency(
+    d_client: &Pod,
+    d_server: &Pod,
+    m_client: &Pod,
+    m_server: &Pod,
+    n: usize,
+    port: u16,
+    pin_node: Option<u32>,
+) -> anyhow::Result<Latency> {
+    // Pinned before the echo servers start, so their threads inherit CPU 0.
+    let _pinned = pin_node.map(OneCpu::pin).transpose()?;
+    let (d_addr, d_handle) = echo_server(d_server, port, false)?;
+    let (m_addr, m_handle) = echo_server(m_server, port, false)?;
+    let d_ns = Netns::open(&d_client.netns_path)?;
+    let m_ns = Netns::open(&m_client.netns_path)?;
+    let mut d = Lab::connect_from(&d_ns, d_addr)?;
+    let mut m = Lab::connect_from(&m_ns, m_addr)?;
+    d.set_nodelay(true)?;
+    m.set_nodelay(true)?;
     let buf = [7u8; MSG];
     let mut back = [0u8; MSG];
-    for _ in 0..n / 10 {
-        s.write_all(&buf)?;
-        s.read_exact(&mut back)?;
-    }
-    let mut samples = Vec::with_capacity(n);
-    for _ in 0..n {
+    let mut round_trip = |s: &mut std::net::TcpStream| -> std::io::Result<f64> {
         let t = Instant::now();
         s.write_all(&buf)?;
         s.read_exact(&mut back)?;
-        samples.push(t.elapsed().as_secs_f64() * 1e6);
+        Ok(t.elapsed().as_secs_f64() * 1e6)
+    };
+    for _ in 0..n / 10 {
+        round_trip(&mut d)?;
+        round_trip(&mut m)?;
     }
-    drop(s);
-    stop_server(&ns, addr, handle);
-    samples.sort_by(f64::total_cmp);
-    Ok((percentile(&samples, 0.5), percentile(&samples, 0.99)))
+    let mut direct = Vec::with_capacity(n);
+    let mut mesh = Vec::with_capacity(n);
+    for _ in 0..n {
+        direct.push(round_trip(&mut d)?);
+        mesh.push(round_trip(&mut m)?);
+    }
+    drop((d, m));
+    stop_server(&d_ns, d_addr, d_handle);
+    stop_server(&m_ns, m_addr, m_handle);
+    direct.sort_by(f64::total_cmp);
+    mesh.sort_by(f64::total_cmp);
+    Ok(Latency {
+        direct_p50: percentile(&direct, 0.5),
+        direct_p99: percentile(&direct, 0.99),
+        mesh_p50: percentile(&mesh, 0.5),
+        mesh_p99: percentile(&mesh, 0.99),
+    })
 }
 
 fn conn_rate(client: &Pod, server: &Pod, dur: Duration) -> anyhow::Result<f64> {

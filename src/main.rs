@@ -171,6 +171,9 @@ enum Cmd {
         /// Seconds to keep the lab up before measuring (to attach a profiler).
         #[arg(long, default_value_t = 0)]
         hold: u64,
+        /// Run only these sections (comma-separated); all when omitted.
+        #[arg(long, value_delimiter = ',', value_enum)]
+        only: Vec<ztnode::bench::Section>,
     },
     /// The CNI plugin (same as running as `ztnode-cni`).
     Cni,
@@ -312,7 +315,9 @@ fn run(cmd: Cmd) -> anyhow::Result<i32> {
             idle_conns,
             json,
             hold,
+            only,
         } => Ok(ztnode::bench::run(ztnode::bench::BenchOptions {
+            only,
             hold: Duration::from_secs(hold),
             duration: Duration::from_secs(duration),
             round_trips,

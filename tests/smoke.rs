@@ -92,6 +92,47 @@ fn bench_reports_every_figure() {
             "{f}"
         );
     }
-    assert!(v["rss_kib"]["idle_pods"].as_u64().is_some_and(|x| x > 0));
-    assert_eq!(v["cni_add_ms"]["samples"].as_u64(), Some(2));
+    assert!(v["rss_idle_pods_mib"].as_f64().is_some_and(|x| x > 0.0));
+    assert!(v["per_idle_conn_kib"].as_f64().is_some());
+    assert!(v["added_rtt_p99_us"].as_f64().is_some());
+    assert_eq!(v["cni_add_samples"].as_u64(), Some(2));
+    assert!(v["ztnode_cni_add_p50_ms"].as_f64().is_some_and(|x| x > 0.0));
+}
+
+#[test]
+fn bench_only_runs_the_selected_sections() {
+    if !common::privileged("bench_only_runs_the_selected_sections") {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let json = dir.path().join("bench.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_ztnode"))
+        .args([
+            "bench",
+            "--only",
+            "latency",
+            "--round-trips",
+            "100",
+            "--json",
+        ])
+        .arg(&json)
+        .output()
+        .expect("run bench");
+    assert!(
+        out.status.success(),
+        "bench failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&json).expect("json written")).expect("json");
+    let names: Vec<_> = v["figures"]
+        .as_array()
+        .expect("figures")
+        .iter()
+        .map(|f| f["name"].as_str().unwrap_or(""))
+        .collect();
+    assert_eq!(names, ["1 KiB round trip p50", "1 KiB round trip p99"]);
+    assert!(v["per_idle_conn_kib"].is_null(), "{v}");
+    assert_eq!(v["cni_add_samples"].as_u64(), Some(0));
 }

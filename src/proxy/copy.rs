@@ -2,24 +2,43 @@
 //!
 //! Both directions run until each side has finished; EOF is propagated as a half-close (TCP
 //! `shutdown(Write)` / HTTP/2 END_STREAM), an error or a stream reset on either side ends both.
-//! Read buffers grow for bulk transfers (16 KiB, then 1 MiB after 1 MiB) so one read moves many TLS
-//! records and HTTP/2 DATA frames; received HTTP/2 data is written out without a copy.
+//! Read buffers follow the traffic: a read that fills its buffer makes the next one 4× larger (up
+//! to 1 MiB, so one read moves many TLS records and HTTP/2 DATA frames), a read that used less than
+//! a quarter makes it 4× smaller (down to 16 KiB, so request/response traffic does not allocate
+//! 1 MiB per message). Received HTTP/2 data is written out without a copy.
 
 use std::future::poll_fn;
 use std::io;
 
 use bytes::{Bytes, BytesMut};
 use h2::{RecvStream, SendStream};
-use tokio::io::{AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 
-/// Initial read buffer, bytes.
+/// Smallest (and first) read buffer, bytes.
 const SMALL_BUF: usize = 16 * 1024;
-/// Read buffer once a direction has moved [`GROW_AFTER`] bytes.
+/// Largest read buffer, bytes.
 const LARGE_BUF: usize = 1024 * 1024;
-/// Bytes after which a direction switches to the large buffer.
-const GROW_AFTER: u64 = 1024 * 1024;
+
+/// The read size of one copy direction, adapted to how full the previous reads came back.
+#[derive(Debug, Clone, Copy)]
+struct ReadSize(usize);
+
+impl ReadSize {
+    fn new() -> Self {
+        ReadSize(SMALL_BUF)
+    }
+
+    /// Adjusts after a read of `n` bytes into a buffer of `cap` bytes.
+    fn update(&mut self, n: usize, cap: usize) {
+        if n >= cap {
+            self.0 = (self.0 * 4).min(LARGE_BUF);
+        } else if n < cap / 4 {
+            self.0 = (self.0 / 4).max(SMALL_BUF);
+        }
+    }
+}
 
 /// Bytes moved by a finished relay.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -51,9 +70,10 @@ fn is_clean_reset(e: &h2::Error) -> bool {
 ///
 /// No buffer is held while the connection is idle: the read buffer is allocated once the socket is
 /// readable and handed to h2 whole (zero-copy), so an idle connection costs no user-space memory.
-pub async fn tcp_to_h2(reader: OwnedReadHalf, mut send: SendStream<Bytes>) -> io::Result<u64> {
+pub async fn tcp_to_h2(mut reader: OwnedReadHalf, mut send: SendStream<Bytes>) -> io::Result<u64> {
     let mut total = 0u64;
-    while let Some(buf) = read_chunk(&reader, total).await? {
+    let mut size = ReadSize::new();
+    while let Some(buf) = read_chunk(&mut reader, &mut size).await? {
         total += buf.len() as u64;
         let mut chunk = buf.freeze();
         while !chunk.is_empty() {
@@ -66,24 +86,25 @@ pub async fn tcp_to_h2(reader: OwnedReadHalf, mut send: SendStream<Bytes>) -> io
     Ok(total)
 }
 
-/// Waits until `reader` is readable, then reads into a fresh buffer sized by how much this
-/// direction has moved so far (`total`). `None` at EOF. The buffer exists only while data flows.
-async fn read_chunk(reader: &OwnedReadHalf, total: u64) -> io::Result<Option<BytesMut>> {
-    loop {
-        reader.readable().await?;
-        let want = if total >= GROW_AFTER {
-            LARGE_BUF
-        } else {
-            SMALL_BUF
-        };
-        let mut buf = BytesMut::with_capacity(want);
-        match reader.try_read_buf(&mut buf) {
-            Ok(0) => return Ok(None),
-            Ok(_) => return Ok(Some(buf)),
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-            Err(e) => return Err(e),
-        }
+/// Waits until `reader` is readable, then reads into a fresh buffer of the direction's current
+/// [`ReadSize`] (updated here). `None` at EOF. The buffer exists only while data flows.
+///
+/// The read goes through `AsyncRead::poll_read`, which clears the socket's readiness when it
+/// returns less than asked: the next call then waits for epoll instead of trying a `recv` that
+/// would only say EAGAIN.
+async fn read_chunk(
+    reader: &mut OwnedReadHalf,
+    size: &mut ReadSize,
+) -> io::Result<Option<BytesMut>> {
+    reader.readable().await?;
+    let mut buf = BytesMut::with_capacity(size.0);
+    let cap = buf.capacity();
+    let n = reader.read_buf(&mut buf).await?;
+    if n == 0 {
+        return Ok(None);
     }
+    size.update(n, cap);
+    Ok(Some(buf))
 }
 
 /// Waits until the stream may send at least one byte of `want`; returns the capacity granted.
@@ -108,9 +129,10 @@ async fn capacity(send: &mut SendStream<Bytes>, want: usize) -> io::Result<usize
 }
 
 /// Copies `reader` into `writer` until EOF, then half-closes `writer`; buffers only while data flows.
-async fn tcp_to_tcp(reader: OwnedReadHalf, mut writer: OwnedWriteHalf) -> io::Result<u64> {
+async fn tcp_to_tcp(mut reader: OwnedReadHalf, mut writer: OwnedWriteHalf) -> io::Result<u64> {
     let mut total = 0u64;
-    while let Some(buf) = read_chunk(&reader, total).await? {
+    let mut size = ReadSize::new();
+    while let Some(buf) = read_chunk(&mut reader, &mut size).await? {
         total += buf.len() as u64;
         writer.write_all(&buf).await?;
     }
@@ -209,6 +231,25 @@ mod tests {
         let srv = server.await.expect("server task");
         let resp = resp.await.expect("response");
         ((send, resp.into_body()), srv)
+    }
+
+    #[test]
+    fn read_size_follows_the_traffic() {
+        let mut s = ReadSize::new();
+        s.update(SMALL_BUF, SMALL_BUF);
+        assert_eq!(s.0, 4 * SMALL_BUF);
+        for _ in 0..10 {
+            s.update(s.0, s.0);
+        }
+        assert_eq!(s.0, LARGE_BUF);
+        s.update(LARGE_BUF / 2, LARGE_BUF);
+        assert_eq!(s.0, LARGE_BUF, "a half-full read keeps the size");
+        s.update(1024, LARGE_BUF);
+        assert_eq!(s.0, LARGE_BUF / 4);
+        for _ in 0..10 {
+            s.update(1024, s.0);
+        }
+        assert_eq!(s.0, SMALL_BUF);
     }
 
     #[tokio::test]
