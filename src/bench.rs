@@ -30,7 +30,8 @@ pub struct BenchOptions {
     pub round_trips: usize,
     /// Enrolled pods for the "idle with N pods" RSS and the CNI ADD samples (≥ 2).
     pub pods: usize,
-    /// Idle connections held open through the tunnel for the per-connection memory figure.
+    /// Idle connections held open through the tunnel: RSS is read with this many and with twice as
+    /// many; the difference per connection is the per-connection figure.
     pub idle_conns: usize,
     /// Where to write the JSON report.
     pub json: PathBuf,
@@ -38,6 +39,8 @@ pub struct BenchOptions {
     pub hold: Duration,
     /// Sections to run; empty means all.
     pub only: Vec<Section>,
+    /// Name prefix of the lab's namespaces, bridge and directories ([`DEFAULT_LAB_PREFIX`]).
+    pub lab_prefix: String,
 }
 
 /// A part of the benchmark that `--only` can select.
@@ -55,7 +58,8 @@ pub enum Section {
     Cni,
 }
 
-const PREFIX: &str = "ztbench";
+/// Default name prefix of the lab (netns `ztbench-node`, `ztbench-m-client`, ...).
+pub const DEFAULT_LAB_PREFIX: &str = "ztbench";
 const SUBNET: &str = "10.250.0.0/16";
 const MSG: usize = 1024;
 
@@ -106,20 +110,21 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
     );
     anyhow::ensure!(opts.pods >= 2, "--pods must be at least 2");
     crate::raise_nofile_limit();
+    let prefix = opts.lab_prefix.as_str();
     // Namespaces an interrupted earlier run may have left.
     if let Ok(out) = Command::new("ip").args(["netns", "list"]).output() {
         for name in String::from_utf8_lossy(&out.stdout).split_whitespace() {
-            if name.starts_with(&format!("{PREFIX}-")) {
+            if name.starts_with(&format!("{prefix}-")) {
                 let _ = Command::new("ip").args(["netns", "del", name]).output();
             }
         }
     }
     let exe = std::env::current_exe()?;
     let run_dir = std::env::temp_dir()
-        .join(format!("ztnode-lab-{PREFIX}"))
+        .join(format!("ztnode-lab-{prefix}"))
         .join("run");
     let lab = Lab::new(LabOptions {
-        prefix: PREFIX.into(),
+        prefix: prefix.into(),
         ztnode_binary: Some(exe.clone()),
         run_dir: run_dir.clone(),
         subnet: SUBNET.into(),
@@ -138,7 +143,7 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
         .map(|(n, ip)| (n.as_str(), "bench", n.as_str(), *ip))
         .collect();
     let config = lab.dir().join("local-config.yaml");
-    std::fs::write(&config, lab::local_config(PREFIX, &entries))?;
+    std::fs::write(&config, lab::local_config(prefix, &entries))?;
     let level = std::env::var("ZTNODE_BENCH_LOG").unwrap_or_else(|_| "warn".into());
     let (node, log) = lab.start_node(&exe, &config, &run_dir, &level, &["--no-install".into()])?;
     let pid = node.0.id();
@@ -268,8 +273,9 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
     }
     let mib = |kib: u64| kib as f64 / 1024.0;
     if wants(Section::Memory) {
-        let (rss_conns, rss_after) = idle_connections(&m_client, &m_server, opts.idle_conns, pid)?;
-        let per_conn_kib = rss_conns.saturating_sub(rss_n) as f64 / opts.idle_conns.max(1) as f64;
+        let (rss_conns, rss_2x, rss_after) =
+            idle_connections(&m_client, &m_server, opts.idle_conns, pid)?;
+        let per_conn_kib = rss_2x.saturating_sub(rss_conns) as f64 / opts.idle_conns.max(1) as f64;
         values.push(Value::new(
             "RSS idle, 2 pods (MiB)",
             "rss_idle_2_pods_mib",
@@ -286,6 +292,12 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
             &format!("RSS, {} idle conns (MiB)", opts.idle_conns),
             "rss_idle_conns_mib",
             mib(rss_conns),
+            1,
+        ));
+        values.push(Value::new(
+            &format!("RSS, {} idle conns (MiB)", 2 * opts.idle_conns),
+            "rss_2x_idle_conns_mib",
+            mib(rss_2x),
             1,
         ));
         values.push(Value::new(
@@ -612,14 +624,25 @@ fn conn_rate(client: &Pod, server: &Pod, dur: Duration) -> anyhow::Result<f64> {
     Ok(count as f64 / elapsed)
 }
 
-fn idle_connections(client: &Pod, server: &Pod, n: usize, pid: u32) -> anyhow::Result<(u64, u64)> {
+/// RSS of the node process while idle connections are held through the tunnel: with `n`
+/// connections, with `2n`, and after all closed. Returns (RSS at n, RSS at 2n, RSS after), KiB.
+///
+/// The per-connection figure is the slope between `n` and `2n`: the first `n` also pay one-time
+/// costs (code pages first touched by the data path, the first pooled HBONE connections and their
+/// buffers, allocator pages), which are not a cost per held connection.
+fn idle_connections(
+    client: &Pod,
+    server: &Pod,
+    n: usize,
+    pid: u32,
+) -> anyhow::Result<(u64, u64, u64)> {
     let ns = Netns::open(&client.netns_path)?;
     let sns = Netns::open(&server.netns_path)?;
     let addr = SocketAddr::new(server.ip, 7300);
     let listener = Lab::listen_in(&sns, addr)?;
     let acceptor = std::thread::spawn(move || {
         let mut held = Vec::new();
-        while held.len() < n {
+        while held.len() < 2 * n {
             match listener.accept() {
                 Ok((s, _)) => held.push(s),
                 Err(_) => break,
@@ -627,20 +650,22 @@ fn idle_connections(client: &Pod, server: &Pod, n: usize, pid: u32) -> anyhow::R
         }
         held
     });
-    let conns = ns.run(move || -> std::io::Result<Vec<std::net::TcpStream>> {
-        let mut v = Vec::with_capacity(n);
-        for _ in 0..n {
-            v.push(std::net::TcpStream::connect(addr)?);
-        }
-        Ok(v)
-    })??;
+    let open = |count: usize| {
+        ns.run(move || -> std::io::Result<Vec<std::net::TcpStream>> {
+            (0..count)
+                .map(|_| std::net::TcpStream::connect(addr))
+                .collect()
+        })
+    };
+    let first = open(n)??;
+    let rss_n = settle_rss(pid)?;
+    let second = open(n)??;
     let held = acceptor
         .join()
         .map_err(|_| anyhow::anyhow!("acceptor panicked"))?;
-    let rss = settle_rss(pid)?;
-    drop(conns);
-    drop(held);
+    let rss_2n = settle_rss(pid)?;
+    drop((first, second, held));
     std::thread::sleep(Duration::from_secs(2));
     let after = settle_rss(pid)?;
-    Ok((rss, after))
+    Ok((rss_n, rss_2n, after))
 }

@@ -162,7 +162,7 @@ enum Cmd {
         /// Enrolled pods for the idle-memory and CNI ADD figures.
         #[arg(long, default_value_t = 100)]
         pods: usize,
-        /// Idle connections held through the tunnel for the per-connection memory figure.
+        /// Idle connections held through the tunnel (RSS read at this many and at twice as many).
         #[arg(long, default_value_t = 1000)]
         idle_conns: usize,
         /// JSON report path.
@@ -174,6 +174,9 @@ enum Cmd {
         /// Run only these sections (comma-separated); all when omitted.
         #[arg(long, value_delimiter = ',', value_enum)]
         only: Vec<ztnode::bench::Section>,
+        /// Name prefix of the lab's namespaces (to run benches side by side).
+        #[arg(long, default_value = ztnode::bench::DEFAULT_LAB_PREFIX)]
+        lab_prefix: String,
     },
     /// The CNI plugin (same as running as `ztnode-cni`).
     Cni,
@@ -316,8 +319,10 @@ fn run(cmd: Cmd) -> anyhow::Result<i32> {
             json,
             hold,
             only,
+            lab_prefix,
         } => Ok(ztnode::bench::run(ztnode::bench::BenchOptions {
             only,
+            lab_prefix,
             hold: Duration::from_secs(hold),
             duration: Duration::from_secs(duration),
             round_trips,

@@ -58,6 +58,8 @@ fn bench_reports_every_figure() {
             "4",
             "--idle-conns",
             "20",
+            "--lab-prefix",
+            &common::prefix("zba"),
             "--json",
         ])
         .arg(&json)
@@ -132,7 +134,16 @@ fn bench_only_runs_the_selected_sections() {
         .iter()
         .map(|f| f["name"].as_str().unwrap_or(""))
         .collect();
-    assert_eq!(names, ["1 KiB round trip p50", "1 KiB round trip p99"]);
+    assert_eq!(
+        names,
+        [
+            "1 KiB round trip p50",
+            "1 KiB round trip p99",
+            "1 KiB round trip p50, one CPU",
+            "1 KiB round trip p99, one CPU"
+        ]
+    );
+    assert!(v["added_rtt_p50_one_cpu_us"].as_f64().is_some(), "{v}");
     assert!(v["per_idle_conn_kib"].is_null(), "{v}");
     assert_eq!(v["cni_add_samples"].as_u64(), Some(0));
 }

@@ -7,10 +7,13 @@
 //! a quarter makes it 4× smaller (down to 16 KiB, so request/response traffic does not allocate
 //! 1 MiB per message). Received HTTP/2 data is written out without a copy.
 
-use std::future::poll_fn;
+use std::future::Future;
 use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
 
-use bytes::{Bytes, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
+use futures::FutureExt;
 use h2::{RecvStream, SendStream};
 use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -66,28 +69,10 @@ fn is_clean_reset(e: &h2::Error) -> bool {
     )
 }
 
-/// Copies `reader` into the HBONE `send` stream, ending it with END_STREAM on EOF. Returns bytes copied.
-///
-/// No buffer is held while the connection is idle: the read buffer is allocated once the socket is
-/// readable and handed to h2 whole (zero-copy), so an idle connection costs no user-space memory.
-pub async fn tcp_to_h2(mut reader: OwnedReadHalf, mut send: SendStream<Bytes>) -> io::Result<u64> {
-    let mut total = 0u64;
-    let mut size = ReadSize::new();
-    while let Some(buf) = read_chunk(&mut reader, &mut size).await? {
-        total += buf.len() as u64;
-        let mut chunk = buf.freeze();
-        while !chunk.is_empty() {
-            let cap = capacity(&mut send, chunk.len()).await?;
-            let part = chunk.split_to(cap.min(chunk.len()));
-            send.send_data(part, false).map_err(h2_io)?;
-        }
-    }
-    send.send_data(Bytes::new(), true).map_err(h2_io)?;
-    Ok(total)
-}
-
 /// Waits until `reader` is readable, then reads into a fresh buffer of the direction's current
-/// [`ReadSize`] (updated here). `None` at EOF. The buffer exists only while data flows.
+/// [`ReadSize`] (updated here). `None` at EOF. The buffer exists only while data flows: when the
+/// readiness was stale the read is not left pending with its buffer, the buffer is dropped and the
+/// wait starts again.
 ///
 /// The read goes through `AsyncRead::poll_read`, which clears the socket's readiness when it
 /// returns less than asked: the next call then waits for epoll instead of trying a `recv` that
@@ -96,34 +81,18 @@ async fn read_chunk(
     reader: &mut OwnedReadHalf,
     size: &mut ReadSize,
 ) -> io::Result<Option<BytesMut>> {
-    reader.readable().await?;
-    let mut buf = BytesMut::with_capacity(size.0);
-    let cap = buf.capacity();
-    let n = reader.read_buf(&mut buf).await?;
-    if n == 0 {
-        return Ok(None);
-    }
-    size.update(n, cap);
-    Ok(Some(buf))
-}
-
-/// Waits until the stream may send at least one byte of `want`; returns the capacity granted.
-async fn capacity(send: &mut SendStream<Bytes>, want: usize) -> io::Result<usize> {
-    send.reserve_capacity(want);
     loop {
-        let cap = send.capacity();
-        if cap > 0 {
-            return Ok(cap);
-        }
-        match poll_fn(|cx| send.poll_capacity(cx)).await {
-            Some(Ok(_)) => {}
-            Some(Err(e)) => return Err(h2_io(e)),
-            None => {
-                return Err(io::Error::new(
-                    io::ErrorKind::BrokenPipe,
-                    "HBONE stream closed",
-                ));
+        reader.readable().await?;
+        let mut buf = BytesMut::with_capacity(size.0);
+        let cap = buf.capacity();
+        match reader.read_buf(&mut buf).now_or_never() {
+            None => continue,
+            Some(Ok(0)) => return Ok(None),
+            Some(Ok(n)) => {
+                size.update(n, cap);
+                return Ok(Some(buf));
             }
+            Some(Err(e)) => return Err(e),
         }
     }
 }
@@ -140,40 +109,192 @@ async fn tcp_to_tcp(mut reader: OwnedReadHalf, mut writer: OwnedWriteHalf) -> io
     Ok(total)
 }
 
-/// Copies the HBONE `recv` stream into `writer`, half-closing it at END_STREAM. Returns bytes copied.
-pub async fn h2_to_tcp<W: AsyncWrite + Unpin>(
-    mut recv: RecvStream,
-    mut writer: W,
-) -> io::Result<u64> {
-    let mut total = 0u64;
-    loop {
-        match recv.data().await {
-            Some(Ok(chunk)) => {
-                let n = chunk.len();
-                // Released before the write (as ztunnel does) so the peer keeps sending while we
-                // write; at most one more window is buffered while the app is slow.
-                recv.flow_control().release_capacity(n).map_err(h2_io)?;
-                writer.write_all(&chunk).await?;
-                total += n as u64;
-            }
-            Some(Err(e)) if is_clean_reset(&e) => break,
-            Some(Err(e)) => return Err(h2_io(e)),
-            None => break,
-        }
+/// Relays between a TCP connection and an HBONE stream in both directions (see module docs).
+pub fn relay_h2(tcp: TcpStream, send: SendStream<Bytes>, recv: RecvStream) -> H2Relay {
+    H2Relay {
+        tcp,
+        send,
+        recv,
+        up: Up {
+            pending: None,
+            size: ReadSize::new(),
+            total: 0,
+            done: false,
+        },
+        down: Down {
+            pending: None,
+            total: 0,
+            eof: false,
+            done: false,
+        },
     }
-    writer.shutdown().await?;
-    Ok(total)
 }
 
-/// Relays between a TCP connection and an HBONE stream in both directions (see module docs).
-pub async fn relay_h2(
+/// The future of [`relay_h2`]: both copy directions in one small state machine (an idle relay is
+/// a few hundred bytes, no buffers). Resolves when both directions finished, or with the first
+/// error, which ends both.
+#[derive(Debug)]
+pub struct H2Relay {
     tcp: TcpStream,
     send: SendStream<Bytes>,
     recv: RecvStream,
-) -> io::Result<Transferred> {
-    let (rd, wr) = tcp.into_split();
-    let (sent, received) = tokio::try_join!(tcp_to_h2(rd, send), h2_to_tcp(recv, wr))?;
-    Ok(Transferred { sent, received })
+    up: Up,
+    down: Down,
+}
+
+/// TCP → HTTP/2 state.
+#[derive(Debug)]
+struct Up {
+    /// Read but not yet handed to h2 (waiting for send capacity).
+    pending: Option<Bytes>,
+    size: ReadSize,
+    total: u64,
+    /// END_STREAM sent.
+    done: bool,
+}
+
+/// HTTP/2 → TCP state.
+#[derive(Debug)]
+struct Down {
+    /// Received but not yet written to the socket.
+    pending: Option<Bytes>,
+    total: u64,
+    /// The stream ended; the socket still needs its write side shut down.
+    eof: bool,
+    /// Write side shut down.
+    done: bool,
+}
+
+impl Future for H2Relay {
+    type Output = io::Result<Transferred>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        // Pending from one direction only means it waits; the other one still gets polled.
+        if !this.up.done
+            && let Poll::Ready(Err(e)) = this.poll_up(cx)
+        {
+            return Poll::Ready(Err(e));
+        }
+        if !this.down.done
+            && let Poll::Ready(Err(e)) = this.poll_down(cx)
+        {
+            return Poll::Ready(Err(e));
+        }
+        if this.up.done && this.down.done {
+            Poll::Ready(Ok(Transferred {
+                sent: this.up.total,
+                received: this.down.total,
+            }))
+        } else {
+            Poll::Pending
+        }
+    }
+}
+
+impl H2Relay {
+    /// Moves TCP data into the HBONE stream until it would block, EOF (END_STREAM) or an error.
+    fn poll_up(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        loop {
+            if let Some(chunk) = self.up.pending.as_mut() {
+                self.send.reserve_capacity(chunk.len());
+                let cap = self.send.capacity();
+                if cap == 0 {
+                    match ready!(self.send.poll_capacity(cx)) {
+                        Some(Ok(_)) => continue,
+                        Some(Err(e)) => return Poll::Ready(Err(h2_io(e))),
+                        None => {
+                            return Poll::Ready(Err(io::Error::new(
+                                io::ErrorKind::BrokenPipe,
+                                "HBONE stream closed",
+                            )));
+                        }
+                    }
+                }
+                let part = chunk.split_to(cap.min(chunk.len()));
+                if chunk.is_empty() {
+                    self.up.pending = None;
+                }
+                self.send.send_data(part, false).map_err(h2_io)?;
+                continue;
+            }
+            match ready!(poll_read_chunk(&mut self.tcp, &mut self.up.size, cx))? {
+                Some(buf) => {
+                    self.up.total += buf.len() as u64;
+                    self.up.pending = Some(buf.freeze());
+                }
+                None => {
+                    self.send.send_data(Bytes::new(), true).map_err(h2_io)?;
+                    self.up.done = true;
+                    return Poll::Ready(Ok(()));
+                }
+            }
+        }
+    }
+
+    /// Moves HBONE data into the TCP socket until it would block, the stream's end (then the
+    /// write side is shut down) or an error.
+    fn poll_down(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        loop {
+            if let Some(chunk) = self.down.pending.as_mut() {
+                let n = ready!(Pin::new(&mut self.tcp).poll_write(cx, chunk))?;
+                if n == 0 {
+                    return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+                }
+                self.down.total += n as u64;
+                chunk.advance(n);
+                if chunk.is_empty() {
+                    self.down.pending = None;
+                }
+                continue;
+            }
+            if self.down.eof {
+                ready!(Pin::new(&mut self.tcp).poll_shutdown(cx))?;
+                self.down.done = true;
+                return Poll::Ready(Ok(()));
+            }
+            match ready!(self.recv.poll_data(cx)) {
+                Some(Ok(chunk)) => {
+                    // Released before the write (as ztunnel does) so the peer keeps sending while
+                    // we write; at most one more window is buffered while the app is slow.
+                    self.recv
+                        .flow_control()
+                        .release_capacity(chunk.len())
+                        .map_err(h2_io)?;
+                    // An empty DATA frame (e.g. a bare END_STREAM) has nothing to write.
+                    if !chunk.is_empty() {
+                        self.down.pending = Some(chunk);
+                    }
+                }
+                Some(Err(e)) if is_clean_reset(&e) => self.down.eof = true,
+                Some(Err(e)) => return Poll::Ready(Err(h2_io(e))),
+                None => self.down.eof = true,
+            }
+        }
+    }
+}
+
+/// Like [`read_chunk`], as a poll: waits for readiness without a buffer, then reads into a fresh
+/// one of the current [`ReadSize`]. `None` at EOF.
+fn poll_read_chunk(
+    tcp: &mut TcpStream,
+    size: &mut ReadSize,
+    cx: &mut Context<'_>,
+) -> Poll<io::Result<Option<BytesMut>>> {
+    ready!(tcp.poll_read_ready(cx))?;
+    let mut buf = BytesMut::with_capacity(size.0);
+    let cap = buf.capacity();
+    // Stale readiness: poll_read cleared it and registered the waker; the buffer is dropped.
+    let n = ready!(tokio_util::io::poll_read_buf(
+        Pin::new(&mut *tcp),
+        cx,
+        &mut buf
+    ))?;
+    if n == 0 {
+        return Poll::Ready(Ok(None));
+    }
+    size.update(n, cap);
+    Poll::Ready(Ok(Some(buf)))
 }
 
 /// Relays between two TCP connections (plain passthrough), half-close propagated.
@@ -287,6 +408,30 @@ mod tests {
             Transferred {
                 sent: payload.len() as u64,
                 received: payload.len() as u64
+            }
+        );
+    }
+
+    #[tokio::test]
+    async fn empty_end_stream_frame_half_closes_the_socket() {
+        let ((c_send, c_recv), (mut s_send, _s_recv)) = h2_pair().await;
+        let (app, proxy_side) = tcp_pair().await;
+        let relay = tokio::spawn(relay_h2(proxy_side, c_send, c_recv));
+        s_send
+            .send_data(Bytes::from_static(b"reply"), false)
+            .expect("data");
+        s_send.send_data(Bytes::new(), true).expect("end stream");
+        let (mut r, mut w) = app.into_split();
+        let mut back = Vec::new();
+        r.read_to_end(&mut back).await.expect("read until EOF");
+        assert_eq!(back, b"reply");
+        w.shutdown().await.expect("half close");
+        let t = relay.await.expect("relay task").expect("relay ok");
+        assert_eq!(
+            t,
+            Transferred {
+                sent: 0,
+                received: 5
             }
         );
     }

@@ -105,7 +105,14 @@ pub async fn handle_hbone(pod: Arc<PodProxy>, tcp: TcpStream, peer: SocketAddr) 
         }
     };
     serve_streams(conn, peer, |req, respond| {
-        stream(pod.clone(), req, respond, peer, local, peer_id.clone())
+        // Checked here so the stream task keeps only the body, not the request head.
+        let target = check_request(&req, local);
+        let ends = Ends {
+            peer,
+            local,
+            peer_id: peer_id.clone(),
+        };
+        stream(pod.clone(), target, req.into_body(), respond, ends)
     })
     .await;
 }
@@ -159,19 +166,34 @@ fn refuse(respond: &mut SendResponse<Bytes>, code: StatusCode) {
     let _ = respond.send_response(resp, true);
 }
 
+/// The two ends of an HBONE connection, as seen by its streams.
+struct Ends {
+    /// The client (HBONE peer) address.
+    peer: SocketAddr,
+    /// This pod's HBONE address.
+    local: SocketAddr,
+    /// The client's verified identity.
+    peer_id: Option<Identity>,
+}
+
+/// Serves one CONNECT stream whose request was checked into `target` (see [`check_request`]).
 async fn stream(
     pod: Arc<PodProxy>,
-    req: Request<h2::RecvStream>,
+    target: Result<SocketAddr, InboundError>,
+    body: h2::RecvStream,
     mut respond: SendResponse<Bytes>,
-    peer: SocketAddr,
-    local: SocketAddr,
-    peer_id: Option<Identity>,
+    ends: Ends,
 ) {
+    let Ends {
+        peer,
+        local,
+        peer_id,
+    } = ends;
     let mut log = ConnectionLog::open(&pod.ctx.metrics, Direction::Inbound, peer, local);
     log.src_identity = peer_id;
     log.dst_identity = Some(pod.identity.clone());
     log.hbone_addr = Some(local);
-    let target = match check_request(&req, local) {
+    let target = match target {
         Ok(t) => t,
         Err(e) => {
             refuse(&mut respond, StatusCode::BAD_REQUEST);
@@ -180,11 +202,14 @@ async fn stream(
         }
     };
     log.dst = target;
-    let upstream = match pod
-        .sockets
-        .connect(target, Some(peer.ip()), CONNECT_TIMEOUT)
-        .await
-    {
+    // Boxed and awaited in its own statement, so the connect state (with its timer) is not part of
+    // every relaying task.
+    let upstream = Box::pin(
+        pod.sockets
+            .connect(target, Some(peer.ip()), CONNECT_TIMEOUT),
+    )
+    .await;
+    let upstream = match upstream {
         Ok(u) => u,
         Err(e) => {
             refuse(&mut respond, StatusCode::SERVICE_UNAVAILABLE);
@@ -199,7 +224,8 @@ async fn stream(
             return;
         }
     };
-    match copy::relay_h2(upstream, send, req.into_body()).await {
+    drop(respond);
+    match copy::relay_h2(upstream, send, body).await {
         Ok(t) => log.finish(&pod.ctx.metrics, ByteCounts::server_side(t), None),
         Err(e) => log.finish(
             &pod.ctx.metrics,

@@ -14,6 +14,7 @@ use tokio::net::TcpStream;
 use crate::proxy::accesslog::{ByteCounts, ConnectionLog, Direction};
 use crate::proxy::copy;
 use crate::proxy::hbone::{self, HBONE_PORT, ILLEGAL_PORTS};
+use crate::proxy::identity::Identity;
 use crate::proxy::pods::PodProxy;
 use crate::proxy::pool::{CONNECT_TIMEOUT, PoolError, PoolKey};
 use crate::proxy::state::Protocol;
@@ -68,6 +69,65 @@ pub async fn handle(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) {
         log.failed(&pod.ctx.metrics, &OutboundError::SelfCall(dst));
         return;
     }
+    let (target, dst_identity) = match route(&pod, dst, client) {
+        Ok(r) => r,
+        Err(e) => {
+            log.failed(&pod.ctx.metrics, &e);
+            return;
+        }
+    };
+    log.dst = target;
+    match dst_identity {
+        Some(dst_identity) => {
+            let hbone_addr = SocketAddr::new(target.ip(), HBONE_PORT);
+            log.hbone_addr = Some(hbone_addr);
+            log.dst_identity = Some(dst_identity.clone());
+            let key = PoolKey {
+                src: pod.identity.clone(),
+                dst: dst_identity,
+                addr: hbone_addr,
+            };
+            // Boxed and awaited in its own statement: the dial/handshake state and the pool key
+            // must not stay in every relaying task.
+            let stream = Box::pin(connect_hbone(&pod, key, client, target)).await;
+            match stream {
+                Ok((send, recv)) => match copy::relay_h2(tcp, send, recv).await {
+                    Ok(t) => log.finish(&pod.ctx.metrics, ByteCounts::client_side(t), None),
+                    Err(e) => log.finish(
+                        &pod.ctx.metrics,
+                        Default::default(),
+                        Some(&OutboundError::Relay(e)),
+                    ),
+                },
+                Err(e) => log.failed(&pod.ctx.metrics, &e),
+            }
+        }
+        None => {
+            let upstream = Box::pin(pod.sockets.connect(target, None, CONNECT_TIMEOUT)).await;
+            match upstream {
+                // Boxed: passthrough is the rare path, its relay must not size every HBONE task.
+                Ok(upstream) => match Box::pin(copy::relay_tcp(tcp, upstream)).await {
+                    Ok(t) => log.finish(&pod.ctx.metrics, ByteCounts::client_side(t), None),
+                    Err(e) => log.finish(
+                        &pod.ctx.metrics,
+                        Default::default(),
+                        Some(&OutboundError::Relay(e)),
+                    ),
+                },
+                Err(e) => log.failed(&pod.ctx.metrics, &OutboundError::Socket(e)),
+            }
+        }
+    }
+}
+
+/// Resolves the original destination against the current state: a service VIP becomes one of its
+/// endpoints (service port mapped to the target port). Returns the target and, when the target is
+/// a workload reached over HBONE, its identity (`None` = plain TCP passthrough).
+fn route(
+    pod: &PodProxy,
+    dst: SocketAddr,
+    client: SocketAddr,
+) -> Result<(SocketAddr, Option<Identity>), OutboundError> {
     let state = pod.ctx.state.load();
     let mut target = dst;
     if let Some(svc) = state.service_by_vip(dst.ip()) {
@@ -75,8 +135,7 @@ pub async fn handle(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) {
         let endpoints = state.endpoints(&svc);
         let key = format!("{}/{}", svc.namespace, svc.hostname);
         let Some(ep) = pick(&endpoints, client) else {
-            log.failed(&pod.ctx.metrics, &OutboundError::NoEndpoints(key));
-            return;
+            return Err(OutboundError::NoEndpoints(key));
         };
         let port = ep
             .services
@@ -93,46 +152,11 @@ pub async fn handle(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) {
             target = SocketAddr::new(ip, port);
         }
     }
-    let dest = state.workload_by_ip(target.ip());
-    match dest {
-        Some(w) if w.protocol == Protocol::Hbone => {
-            let hbone_addr = SocketAddr::new(target.ip(), HBONE_PORT);
-            log.dst = target;
-            log.hbone_addr = Some(hbone_addr);
-            log.dst_identity = Some(w.identity());
-            let key = PoolKey {
-                src: pod.identity.clone(),
-                dst: w.identity(),
-                addr: hbone_addr,
-            };
-            // Boxed: the dial/handshake state is large and must not stay in every relaying task.
-            match Box::pin(connect_hbone(&pod, &key, client, target)).await {
-                Ok((send, recv)) => match copy::relay_h2(tcp, send, recv).await {
-                    Ok(t) => log.finish(&pod.ctx.metrics, ByteCounts::client_side(t), None),
-                    Err(e) => log.finish(
-                        &pod.ctx.metrics,
-                        Default::default(),
-                        Some(&OutboundError::Relay(e)),
-                    ),
-                },
-                Err(e) => log.failed(&pod.ctx.metrics, &e),
-            }
-        }
-        _ => {
-            log.dst = target;
-            match pod.sockets.connect(target, None, CONNECT_TIMEOUT).await {
-                Ok(upstream) => match copy::relay_tcp(tcp, upstream).await {
-                    Ok(t) => log.finish(&pod.ctx.metrics, ByteCounts::client_side(t), None),
-                    Err(e) => log.finish(
-                        &pod.ctx.metrics,
-                        Default::default(),
-                        Some(&OutboundError::Relay(e)),
-                    ),
-                },
-                Err(e) => log.failed(&pod.ctx.metrics, &OutboundError::Socket(e)),
-            }
-        }
-    }
+    let hbone = state
+        .workload_by_ip(target.ip())
+        .filter(|w| w.protocol == Protocol::Hbone)
+        .map(|w| w.identity());
+    Ok((target, hbone))
 }
 
 /// Picks an endpoint deterministically per client port (simple spread without randomness).
@@ -145,7 +169,7 @@ fn pick<T>(endpoints: &[T], client: SocketAddr) -> Option<&T> {
 
 async fn connect_hbone(
     pod: &PodProxy,
-    key: &PoolKey,
+    key: PoolKey,
     client: SocketAddr,
     target: SocketAddr,
 ) -> Result<(h2::SendStream<bytes::Bytes>, h2::RecvStream), OutboundError> {
@@ -157,10 +181,14 @@ async fn connect_hbone(
         .body(())
         .map_err(OutboundError::Request)?;
     // The pool retries once on a fresh connection when the peer refused the stream unprocessed.
-    let (resp, send) = pod.pool.send_request(key, req).await.map_err(|e| match e {
-        PoolError::Stream { addr, source } => OutboundError::Connect(addr, source),
-        e => OutboundError::Pool(e),
-    })?;
+    let (resp, send) = pod
+        .pool
+        .send_request(&key, req)
+        .await
+        .map_err(|e| match e {
+            PoolError::Stream { addr, source } => OutboundError::Connect(addr, source),
+            e => OutboundError::Pool(e),
+        })?;
     if resp.status() != http::StatusCode::OK {
         return Err(OutboundError::Status(key.addr, resp.status()));
     }

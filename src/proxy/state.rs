@@ -83,6 +83,9 @@ pub struct Workload {
     pub status: HealthStatus,
     /// Load-balancing weight.
     pub capacity: u32,
+    /// The SPIFFE identity of the fields above, built once (see [`Workload::identity`]).
+    #[serde(skip)]
+    spiffe: Identity,
 }
 
 /// A service with canonicalised VIPs.
@@ -146,20 +149,28 @@ struct HandleInner {
 impl Workload {
     /// The workload's SPIFFE identity (trust domain, namespace, service account).
     pub fn identity(&self) -> Identity {
-        Identity::new(&self.trust_domain, &self.namespace, &self.service_account)
+        self.spiffe.clone()
     }
 
     fn from_local(w: &LocalWorkload) -> Workload {
+        let service_account = or_default(&w.service_account, DEFAULT_SERVICE_ACCOUNT);
+        let trust_domain = or_default(&w.trust_domain, DEFAULT_TRUST_DOMAIN);
+        let spiffe = Identity::new(
+            trust_domain.as_str(),
+            w.namespace.as_str(),
+            service_account.as_str(),
+        );
         Workload {
+            spiffe,
             uid: w.uid.clone(),
             name: w.name.clone(),
             namespace: w.namespace.clone(),
-            service_account: or_default(&w.service_account, DEFAULT_SERVICE_ACCOUNT),
+            service_account,
             workload_ips: w.workload_ips.iter().map(IpAddr::to_canonical).collect(),
             protocol: w.protocol,
             node: w.node.clone(),
             network: w.network.clone(),
-            trust_domain: or_default(&w.trust_domain, DEFAULT_TRUST_DOMAIN),
+            trust_domain,
             services: w
                 .services
                 .iter()

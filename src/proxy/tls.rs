@@ -166,7 +166,7 @@ pub fn server_config(
     .map_err(|source| TlsError::ClientVerifier { source })?;
     let verifier = Arc::new(verify::TrustDomainVerifier::new(
         webpki,
-        local.trust_domain.clone(),
+        local.trust_domain.to_string(),
     ));
     let resolver = Arc::new(verify::CertResolver::new(certs, local, provider.clone()));
     let mut cfg = ServerConfig::builder_with_provider(provider)

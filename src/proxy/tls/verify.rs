@@ -224,7 +224,7 @@ impl ClientCertVerifier for TrustDomainVerifier {
         self.inner
             .verify_client_cert(end_entity, intermediates, now)?;
         let presented = uri_sans(end_entity);
-        let ok = spiffe_ids(&presented).any(|id| id.trust_domain == self.trust_domain);
+        let ok = spiffe_ids(&presented).any(|id| *id.trust_domain == *self.trust_domain);
         if ok {
             Ok(ClientCertVerified::assertion())
         } else {
