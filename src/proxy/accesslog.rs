@@ -193,6 +193,14 @@ impl ConnectionLog {
         metrics.closed[i].fetch_add(1, Ordering::Relaxed);
         metrics.sent[i].fetch_add(bytes.server_to_client, Ordering::Relaxed);
         metrics.received[i].fetch_add(bytes.client_to_server, Ordering::Relaxed);
+        let enabled = match error {
+            None => tracing::enabled!(target: "access", tracing::Level::INFO),
+            Some(_) => tracing::enabled!(target: "access", tracing::Level::ERROR),
+        };
+        if !enabled {
+            // Nothing to format (the counters above are all a disabled log needs).
+            return;
+        }
         let (bytes_sent, bytes_recv) = bytes.proxy_view(self.direction);
         let duration = format!("{}ms", self.start.elapsed().as_millis());
         let src_id = self.src_identity.as_ref().map(ToString::to_string);
@@ -233,6 +241,9 @@ impl ConnectionLog {
     pub fn failed(self, metrics: &Metrics, error: &dyn std::fmt::Display) {
         metrics.failed[self.direction.idx()].fetch_add(1, Ordering::Relaxed);
         metrics.closed[self.direction.idx()].fetch_add(1, Ordering::Relaxed);
+        if !tracing::enabled!(target: "access", tracing::Level::WARN) {
+            return;
+        }
         let src_id = self.src_identity.as_ref().map(ToString::to_string);
         let dst_id = self.dst_identity.as_ref().map(ToString::to_string);
         tracing::warn!(

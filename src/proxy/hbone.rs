@@ -78,14 +78,13 @@ pub fn forwarded(client: SocketAddr) -> String {
     format!("for=\"{client}\"")
 }
 
-/// A random W3C `traceparent` value: `00-<32 hex>-<16 hex>-00`.
+/// A random W3C `traceparent` value: `00-<32 hex trace id>-<16 hex parent id>-00`, both ids
+/// non-zero (W3C Trace Context §3.2). The ids only need to be unique, not secret: they come from a
+/// per-thread non-cryptographic generator (no syscall per connection).
 pub fn traceparent() -> String {
-    use ring::rand::{SecureRandom, SystemRandom};
-    let mut bytes = [0u8; 24];
-    // SystemRandom only fails when the OS RNG is unavailable; an all-zero id is still well formed.
-    let _ = SystemRandom::new().fill(&mut bytes);
-    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-    format!("00-{}-{}-00", &hex[..32], &hex[32..48])
+    let trace_id = fastrand::u128(1..);
+    let parent_id = fastrand::u64(1..);
+    format!("00-{trace_id:032x}-{parent_id:016x}-00")
 }
 
 /// The client-side HTTP/2 settings of HBONE.
@@ -183,6 +182,13 @@ mod tests {
             ("00", 32, 16, "00")
         );
         assert_ne!(traceparent(), t);
+        assert!(
+            parts[1..3].iter().all(|p| p
+                .bytes()
+                .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+                && p.bytes().any(|b| b != b'0')),
+            "{t}"
+        );
     }
 
     #[test]

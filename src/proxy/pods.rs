@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde::Serialize;
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::task::{AbortHandle, JoinSet};
 
 use crate::netns::{Netns, NetnsId};
@@ -201,6 +201,9 @@ impl ProxyManager {
         let outbound_l = sockets.listen(OUTBOUND_PORT).await?;
         let inbound_l = sockets.listen(INBOUND_PLAINTEXT_PORT).await?;
         let hbone_l = sockets.listen(HBONE_PORT).await?;
+        for l in [&outbound_l, &inbound_l, &hbone_l] {
+            tune_listener(l);
+        }
         let server_tls = tls::server_config(self.ctx.certs.clone(), identity.clone())?;
         let pod = Arc::new(PodProxy {
             ctx: self.ctx.clone(),
@@ -264,8 +267,8 @@ impl ProxyManager {
 }
 
 /// Accepts on the three listeners; connection tasks live in a JoinSet so aborting this task ends
-/// them. Accepted sockets get TCP_NODELAY and TCP keepalive ([`tune_accepted`]); the outbound pool
-/// is swept every [`POOL_SWEEP_INTERVAL`].
+/// them. Accepted sockets inherit TCP_NODELAY and TCP keepalive from the listeners
+/// ([`tune_listener`]); the outbound pool is swept every [`POOL_SWEEP_INTERVAL`].
 async fn serve(
     pod: Arc<PodProxy>,
     outbound_l: TcpListener,
@@ -279,21 +282,18 @@ async fn serve(
         tokio::select! {
             r = outbound_l.accept() => match r {
                 Ok((s, peer)) => {
-                    tune_accepted(&s);
                     conns.spawn(outbound::handle(pod.clone(), s, peer));
                 }
                 Err(e) => accept_backoff(e).await,
             },
             r = inbound_l.accept() => match r {
                 Ok((s, peer)) => {
-                    tune_accepted(&s);
                     conns.spawn(inbound::handle_plaintext(pod.clone(), s, peer));
                 }
                 Err(e) => accept_backoff(e).await,
             },
             r = hbone_l.accept() => match r {
                 Ok((s, peer)) => {
-                    tune_accepted(&s);
                     conns.spawn(inbound::handle_hbone(pod.clone(), s, peer));
                 }
                 Err(e) => accept_backoff(e).await,
@@ -314,18 +314,19 @@ pub const TCP_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(180);
 /// Unanswered TCP keepalive probes before the connection is dropped.
 pub const TCP_KEEPALIVE_RETRIES: u32 = 9;
 
-/// Sets TCP_NODELAY and the TCP keepalive above on an accepted socket; failures are logged (the
-/// connection still works without them).
-pub fn tune_accepted(s: &TcpStream) {
-    if let Err(e) = s.set_nodelay(true) {
-        tracing::debug!(error = %e, "TCP_NODELAY on accepted socket");
+/// Sets TCP_NODELAY and the TCP keepalive above on a listener; Linux copies both to every socket
+/// it accepts (so no per-connection syscalls). Failures are logged (connections still work).
+pub fn tune_listener(s: &TcpListener) {
+    let sock = socket2::SockRef::from(s);
+    if let Err(e) = sock.set_tcp_nodelay(true) {
+        tracing::debug!(error = %e, "TCP_NODELAY on listener");
     }
     let ka = socket2::TcpKeepalive::new()
         .with_time(TCP_KEEPALIVE_TIME)
         .with_interval(TCP_KEEPALIVE_INTERVAL)
         .with_retries(TCP_KEEPALIVE_RETRIES);
-    if let Err(e) = socket2::SockRef::from(s).set_tcp_keepalive(&ka) {
-        tracing::debug!(error = %e, "TCP keepalive on accepted socket");
+    if let Err(e) = sock.set_tcp_keepalive(&ka) {
+        tracing::debug!(error = %e, "TCP keepalive on listener");
     }
 }
 
@@ -340,12 +341,12 @@ mod tests {
     use super::*;
 
     #[tokio::test]
-    async fn accepted_sockets_get_nodelay_and_tcp_keepalive() {
+    async fn accepted_sockets_inherit_nodelay_and_tcp_keepalive() {
         let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        tune_listener(&l);
         let addr = l.local_addr().expect("addr");
         let _client = tokio::net::TcpStream::connect(addr).await.expect("connect");
         let (s, _) = l.accept().await.expect("accept");
-        tune_accepted(&s);
         let sock = socket2::SockRef::from(&s);
         assert!(s.nodelay().expect("nodelay"));
         assert!(sock.keepalive().expect("SO_KEEPALIVE"));

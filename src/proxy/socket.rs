@@ -3,11 +3,15 @@
 //! factory does (`../shared/spec/ztunnel.md` §2).
 //!
 //! A [`PodSockets`] owns one OS thread that entered the pod netns once and creates sockets on request,
-//! so neither `setns` nor a per-connection thread spawn happens on the async data path.
+//! so neither `setns` nor a per-connection thread spawn happens on the async data path. Once a pod
+//! connects somewhere, the thread also keeps a small stock of IPv4 sockets ready ([`STOCK_TARGET`]),
+//! refilled in batches: most connects then take a socket without waiting for the thread.
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc as stdmpsc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use socket2::{Domain, Protocol, SockAddr, SockRef, Socket, Type};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
@@ -46,13 +50,50 @@ fn io_err(op: impl Into<String>) -> impl FnOnce(io::Error) -> SocketError {
     move |source| SocketError::Io { op, source }
 }
 
-type Request = (Domain, oneshot::Sender<io::Result<Socket>>);
+/// IPv4 sockets the socket thread keeps ready per pod once the pod has connected somewhere.
+pub const STOCK_TARGET: usize = 16;
+/// A take that leaves fewer than this many sockets asks the thread for a refill.
+const STOCK_LOW: usize = 8;
+
+enum Request {
+    /// Create one socket of this family and send it back.
+    Create(Domain, oneshot::Sender<io::Result<Socket>>),
+    /// Top the IPv4 stock up to [`STOCK_TARGET`].
+    Refill,
+}
+
+/// Ready IPv4 sockets, shared by the pod's tasks and its socket thread.
+#[derive(Debug, Default)]
+struct Stock {
+    v4: Mutex<Vec<Socket>>,
+    /// A refill was asked for and has not finished yet (so only one is queued at a time).
+    refilling: AtomicBool,
+}
+
+impl Stock {
+    fn sockets(&self) -> std::sync::MutexGuard<'_, Vec<Socket>> {
+        self.v4.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
 
 /// Creates TCP sockets inside one pod's netns, all marked with the packet mark.
 #[derive(Debug, Clone)]
 pub struct PodSockets {
     tx: stdmpsc::Sender<Request>,
-    mark: u32,
+    stock: Arc<Stock>,
+}
+
+/// A non-blocking TCP socket of `domain` in the calling thread's netns, with SO_MARK `mark` (0 = none).
+fn new_socket(domain: Domain, mark: u32) -> io::Result<Socket> {
+    let sock = Socket::new(
+        domain,
+        Type::STREAM.nonblocking().cloexec(),
+        Some(Protocol::TCP),
+    )?;
+    if mark != 0 {
+        sock.set_mark(mark)?;
+    }
+    Ok(sock)
 }
 
 impl PodSockets {
@@ -62,6 +103,8 @@ impl PodSockets {
         let (ready_tx, ready_rx) = stdmpsc::channel();
         let id = netns.id();
         let netns = netns.clone();
+        let stock = Arc::new(Stock::default());
+        let thread_stock = stock.clone();
         std::thread::Builder::new()
             .name("pod-sockets".into())
             .spawn(move || {
@@ -71,36 +114,63 @@ impl PodSockets {
                 if !ok {
                     return;
                 }
-                while let Ok((domain, reply)) = rx.recv() {
-                    let sock = Socket::new(
-                        domain,
-                        Type::STREAM.nonblocking().cloexec(),
-                        Some(Protocol::TCP),
-                    );
-                    let _ = reply.send(sock);
+                while let Ok(req) = rx.recv() {
+                    match req {
+                        Request::Create(domain, reply) => {
+                            let _ = reply.send(new_socket(domain, mark));
+                        }
+                        Request::Refill => {
+                            let have = thread_stock.sockets().len();
+                            // A failure (fd limit) just leaves the stock short; connects fall back
+                            // to Create, which reports the error.
+                            let fresh: Vec<Socket> = (have..STOCK_TARGET)
+                                .map_while(|_| new_socket(Domain::IPV4, mark).ok())
+                                .collect();
+                            thread_stock.sockets().extend(fresh);
+                            thread_stock.refilling.store(false, Ordering::Release);
+                        }
+                    }
                 }
             })
             .map_err(io_err("spawn pod socket thread"))?;
         match ready_rx.recv() {
-            Ok(Ok(())) => Ok(PodSockets { tx, mark }),
+            Ok(Ok(())) => Ok(PodSockets { tx, stock }),
             Ok(Err(source)) => Err(SocketError::Netns(NetnsError::Enter { id, source })),
             Err(_) => Err(SocketError::Stopped),
         }
     }
 
+    /// A marked socket of `domain` in the pod netns: from the stock for IPv4 when there is one,
+    /// else made by the socket thread.
     async fn socket(&self, domain: Domain) -> Result<Socket, SocketError> {
+        let mut refill = false;
+        if domain == Domain::IPV4 {
+            let (stocked, left) = {
+                let mut v4 = self.stock.sockets();
+                let s = v4.pop();
+                (s, v4.len())
+            };
+            refill = left < STOCK_LOW && !self.stock.refilling.swap(true, Ordering::AcqRel);
+            if let Some(sock) = stocked {
+                if refill {
+                    // A send error means the thread is gone; later connects report it.
+                    let _ = self.tx.send(Request::Refill);
+                }
+                return Ok(sock);
+            }
+        }
         let (reply_tx, reply_rx) = oneshot::channel();
         self.tx
-            .send((domain, reply_tx))
+            .send(Request::Create(domain, reply_tx))
             .map_err(|_| SocketError::Stopped)?;
-        let sock = reply_rx
+        if refill {
+            // After the Create, so this connect does not wait for the whole batch.
+            let _ = self.tx.send(Request::Refill);
+        }
+        reply_rx
             .await
             .map_err(|_| SocketError::Stopped)?
-            .map_err(io_err("socket"))?;
-        if self.mark != 0 {
-            sock.set_mark(self.mark).map_err(io_err("set SO_MARK"))?;
-        }
-        Ok(sock)
+            .map_err(io_err("socket"))
     }
 
     /// A listener on `[::]:port` (dual stack) or, when IPv6 is unavailable in the pod, `0.0.0.0:port`,
@@ -230,5 +300,36 @@ mod tests {
         assert_eq!(mark, DEFAULT_PACKET_MARK);
         let (_accepted, peer) = listener.accept().await.expect("accept");
         assert_eq!(canonical(peer).ip(), IpAddr::V4(Ipv4Addr::LOCALHOST));
+    }
+
+    #[tokio::test]
+    async fn ipv4_stock_fills_after_the_first_connect_and_carries_the_mark() {
+        let ns = Netns::current().expect("own netns");
+        let socks = PodSockets::new(&ns, DEFAULT_PACKET_MARK).expect("socket thread");
+        assert!(
+            socks.stock.sockets().is_empty(),
+            "no stock before any connect"
+        );
+        let listener = socks.listen(0).await.expect("listen");
+        let dst = SocketAddr::from(([127, 0, 0, 1], listener.local_addr().expect("addr").port()));
+        let timeout = std::time::Duration::from_secs(2);
+        let _first = socks.connect(dst, None, timeout).await.expect("connect");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+        while socks.stock.sockets().len() < STOCK_TARGET {
+            assert!(std::time::Instant::now() < deadline, "stock never filled");
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        let mut held = Vec::new();
+        for _ in 0..=STOCK_TARGET - STOCK_LOW {
+            let c = socks.connect(dst, None, timeout).await.expect("connect");
+            assert_eq!(SockRef::from(&c).mark().expect("mark"), DEFAULT_PACKET_MARK);
+            held.push(c);
+        }
+        // taken from the stock: below the low mark, one batch refills it
+        while socks.stock.sockets().len() < STOCK_TARGET {
+            assert!(std::time::Instant::now() < deadline, "stock never refilled");
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        assert!(!socks.stock.refilling.load(Ordering::Acquire));
     }
 }
