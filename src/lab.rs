@@ -421,16 +421,28 @@ impl Lab {
             .map_err(io(format!("connect to {addr}")))
     }
 
-    /// Binds a listener inside `netns`.
+    /// Binds a listener inside `netns` (SO_REUSEADDR, backlog 4096).
     pub fn listen_in(
         netns: &Netns,
         addr: std::net::SocketAddr,
     ) -> Result<std::net::TcpListener, LabError> {
         netns
-            .run(move || std::net::TcpListener::bind(addr))?
+            .run(move || -> std::io::Result<std::net::TcpListener> {
+                use socket2::{Domain, Socket, Type};
+                let sock = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+                sock.set_reuse_address(true)?;
+                sock.bind(&addr.into())?;
+                // Bursts of connections (the bench's idle connections) must not overflow the accept
+                // queue: an overflowed connection that never sends data never reaches accept().
+                sock.listen(LISTEN_BACKLOG)?;
+                Ok(sock.into())
+            })?
             .map_err(io(format!("listen on {addr}")))
     }
 }
+
+/// Accept queue length of [`Lab::listen_in`] listeners (the kernel caps it at `net.core.somaxconn`).
+const LISTEN_BACKLOG: i32 = 4096;
 
 /// Local config YAML (ztunnel format) for pods `(name, namespace, service account, ip)` on `node`,
 /// all with protocol HBONE.
