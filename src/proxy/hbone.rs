@@ -18,6 +18,10 @@ pub const STREAM_WINDOW: u32 = 4 * 1024 * 1024;
 pub const CONNECTION_WINDOW: u32 = 16 * 1024 * 1024;
 /// HTTP/2 max frame size, bytes (`HTTP2_FRAME_SIZE`).
 pub const FRAME_SIZE: u32 = 1024 * 1024;
+/// Max buffered outgoing bytes per stream on the client (h2's default is 400 KiB): one full 1 MiB
+/// read of the app can be handed to h2 at once, without the 4 MiB a whole window would allow
+/// (which measured slower: more data in flight through the caches).
+pub const SEND_BUFFER: usize = 1024 * 1024;
 /// Streams per pooled connection before a new one is dialed (`POOL_MAX_STREAMS_PER_CONNECTION`).
 pub const MAX_STREAMS_PER_CONNECTION: usize = 100;
 /// Plaintext rustls may buffer for sending on an HBONE connection (its default is 64 KiB), so one
@@ -93,7 +97,7 @@ pub fn client_builder() -> h2::client::Builder {
     b.initial_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
         .max_frame_size(FRAME_SIZE)
-        .max_send_buffer_size(STREAM_WINDOW as usize)
+        .max_send_buffer_size(SEND_BUFFER)
         .initial_max_send_streams(MAX_STREAMS_PER_CONNECTION)
         .max_header_list_size(16 * 1024)
         .enable_push(false);
