@@ -40,28 +40,15 @@ fn demo_passes_and_cleans_up() {
     );
 }
 
-#[test]
-fn bench_reports_every_figure() {
-    if !common::privileged("bench_reports_every_figure") {
-        return;
-    }
+/// Runs `ztnode bench` with `args` (plus its own lab prefix and a JSON path); returns the JSON report
+/// and the figure names.
+fn run_bench(tag: &str, args: &[&str]) -> (serde_json::Value, Vec<String>) {
     let dir = tempfile::tempdir().expect("tempdir");
     let json = dir.path().join("bench.json");
     let out = Command::new(env!("CARGO_BIN_EXE_ztnode"))
-        .args([
-            "bench",
-            "--duration",
-            "1",
-            "--round-trips",
-            "200",
-            "--pods",
-            "4",
-            "--idle-conns",
-            "20",
-            "--lab-prefix",
-            &common::prefix("zba"),
-            "--json",
-        ])
+        .arg("bench")
+        .args(args)
+        .args(["--lab-prefix", &common::prefix(tag), "--json"])
         .arg(&json)
         .output()
         .expect("run bench");
@@ -73,19 +60,43 @@ fn bench_reports_every_figure() {
     );
     let v: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&json).expect("json written")).expect("json");
-    let names: Vec<_> = v["figures"]
+    let names = v["figures"]
         .as_array()
         .expect("figures")
         .iter()
-        .map(|f| f["name"].as_str().unwrap_or(""))
+        .map(|f| f["name"].as_str().unwrap_or("").to_owned())
         .collect();
+    (v, names)
+}
+
+#[test]
+fn bench_reports_every_figure() {
+    if !common::privileged("bench_reports_every_figure") {
+        return;
+    }
+    let (v, names) = run_bench(
+        "zba",
+        &[
+            "--duration",
+            "1",
+            "--round-trips",
+            "200",
+            "--pods",
+            "4",
+            "--idle-conns",
+            "20",
+        ],
+    );
     for want in [
         "throughput 1 stream(s)",
         "throughput 8 stream(s)",
         "1 KiB round trip p50",
         "connect + 1 KiB RTT + close",
     ] {
-        assert!(names.contains(&want), "missing figure {want}: {names:?}");
+        assert!(
+            names.iter().any(|n| n == want),
+            "missing figure {want}: {names:?}"
+        );
     }
     for f in v["figures"].as_array().expect("figures") {
         assert!(
@@ -106,34 +117,7 @@ fn bench_only_runs_the_selected_sections() {
     if !common::privileged("bench_only_runs_the_selected_sections") {
         return;
     }
-    let dir = tempfile::tempdir().expect("tempdir");
-    let json = dir.path().join("bench.json");
-    let out = Command::new(env!("CARGO_BIN_EXE_ztnode"))
-        .args([
-            "bench",
-            "--only",
-            "latency",
-            "--round-trips",
-            "100",
-            "--json",
-        ])
-        .arg(&json)
-        .output()
-        .expect("run bench");
-    assert!(
-        out.status.success(),
-        "bench failed:\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&json).expect("json written")).expect("json");
-    let names: Vec<_> = v["figures"]
-        .as_array()
-        .expect("figures")
-        .iter()
-        .map(|f| f["name"].as_str().unwrap_or(""))
-        .collect();
+    let (v, names) = run_bench("zbo", &["--only", "latency", "--round-trips", "100"]);
     assert_eq!(
         names,
         [

@@ -70,8 +70,7 @@ fn is_clean_reset(e: &h2::Error) -> bool {
 
 /// Waits until `reader` is readable, then reads into a fresh buffer of the direction's current
 /// [`ReadSize`] (updated here). `None` at EOF. The buffer exists only while data flows: when the
-/// readiness was stale the read is not left pending with its buffer, the buffer is dropped and the
-/// wait starts again.
+/// read cannot complete at once the buffer is dropped, the task yields and the wait starts again.
 ///
 /// The read goes through `AsyncRead::poll_read`, which clears the socket's readiness when it
 /// returns less than asked: the next call then waits for epoll instead of trying a `recv` that
@@ -85,7 +84,10 @@ async fn read_chunk(
         let mut buf = BytesMut::with_capacity(size.0);
         let cap = buf.capacity();
         match reader.read_buf(&mut buf).now_or_never() {
-            None => continue,
+            // Stale readiness, or tokio's cooperative budget is spent (then the read says Pending
+            // while `readable()` still says ready): give the task back to the scheduler, which
+            // also refills the budget, instead of spinning.
+            None => tokio::task::yield_now().await,
             Some(Ok(0)) => return Ok(None),
             Some(Ok(n)) => {
                 size.update(n, cap);
@@ -429,6 +431,42 @@ mod tests {
                 received: 5
             }
         );
+    }
+
+    #[test]
+    fn read_chunk_yields_when_the_budget_is_spent() {
+        // On its own thread: if read_chunk spun, this thread would never return.
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async move {
+                let (app, proxy_side) = tcp_pair().await;
+                let (mut rd, _wr) = proxy_side.into_split();
+                let (_ard, mut awr) = app.into_split();
+                awr.write_all(b"data").await.expect("write");
+                rd.readable().await.expect("readable");
+                let mut size = ReadSize::new();
+                let mut read = Box::pin(read_chunk(&mut rd, &mut size));
+                // Spend the whole budget, then poll the read in the same task poll.
+                let first = std::future::poll_fn(|cx| {
+                    while let Poll::Ready(restore) = tokio::task::coop::poll_proceed(cx) {
+                        restore.made_progress();
+                    }
+                    Poll::Ready(read.as_mut().poll(cx).is_pending())
+                })
+                .await;
+                let got = read.await.expect("read").expect("data");
+                let _ = done_tx.send((first, got));
+            });
+        });
+        let (first_pending, got) = done_rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("read_chunk spun with a spent budget");
+        assert!(first_pending, "a spent budget makes the first poll yield");
+        assert_eq!(&got[..], b"data");
     }
 
     #[tokio::test]
