@@ -111,6 +111,15 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
     anyhow::ensure!(opts.pods >= 2, "--pods must be at least 2");
     crate::raise_nofile_limit();
     let prefix = opts.lab_prefix.as_str();
+    // Short (interface names like `<prefix>-br` have 15 characters at most) and without `-`, so
+    // the leftover cleanup below cannot match another lab's names.
+    anyhow::ensure!(
+        (1..=8).contains(&prefix.len())
+            && prefix
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit()),
+        "--lab-prefix must be 1 to 8 characters of a-z and 0-9, not {prefix:?}"
+    );
     // Namespaces an interrupted earlier run may have left.
     if let Ok(out) = Command::new("ip").args(["netns", "list"]).output() {
         for name in String::from_utf8_lossy(&out.stdout).split_whitespace() {
@@ -640,16 +649,35 @@ fn idle_connections(
     let sns = Netns::open(&server.netns_path)?;
     let addr = SocketAddr::new(server.ip, 7300);
     let listener = Lab::listen_in(&sns, addr)?;
+    let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = accepted.clone();
     let acceptor = std::thread::spawn(move || {
         let mut held = Vec::new();
         while held.len() < 2 * n {
             match listener.accept() {
-                Ok((s, _)) => held.push(s),
+                Ok((s, _)) => {
+                    held.push(s);
+                    count.store(held.len(), std::sync::atomic::Ordering::Release);
+                }
                 Err(_) => break,
             }
         }
         held
     });
+    // A client connect returns once ztnode's listener answered; the tunnel behind it is complete
+    // when the app accepted it.
+    let wait_accepted = |want: usize| -> anyhow::Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while accepted.load(std::sync::atomic::Ordering::Acquire) < want {
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "only {} of {want} idle connections reached the app",
+                accepted.load(std::sync::atomic::Ordering::Acquire)
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
+    };
     let open = |count: usize| {
         ns.run(move || -> std::io::Result<Vec<std::net::TcpStream>> {
             (0..count)
@@ -658,6 +686,7 @@ fn idle_connections(
         })
     };
     let first = open(n)??;
+    wait_accepted(n)?;
     let rss_n = settle_rss(pid)?;
     let second = open(n)??;
     let held = acceptor

@@ -3,8 +3,9 @@
 //! factory does (`../shared/spec/ztunnel.md` §2).
 //!
 //! A [`PodSockets`] owns one OS thread that entered the pod netns once and creates sockets on request,
-//! so neither `setns` nor a per-connection thread spawn happens on the async data path. Once a pod
-//! connects somewhere, the thread also keeps a small stock of IPv4 sockets ready ([`STOCK_TARGET`]),
+//! so neither `setns` nor a per-connection thread spawn happens on the async data path. From a pod's
+//! first IPv4 socket on (a connect, or the IPv4 listener fallback of a pod without IPv6), the thread
+//! also keeps a stock of [`STOCK_TARGET`] IPv4 sockets ready (that many file descriptors per pod),
 //! refilled in batches: most connects then take a socket without waiting for the thread.
 
 use std::io;
@@ -57,7 +58,7 @@ const STOCK_LOW: usize = 8;
 
 enum Request {
     /// Create one socket of this family and send it back.
-    Create(Domain, oneshot::Sender<io::Result<Socket>>),
+    Create(Domain, oneshot::Sender<Result<Socket, SocketError>>),
     /// Top the IPv4 stock up to [`STOCK_TARGET`].
     Refill,
 }
@@ -84,14 +85,15 @@ pub struct PodSockets {
 }
 
 /// A non-blocking TCP socket of `domain` in the calling thread's netns, with SO_MARK `mark` (0 = none).
-fn new_socket(domain: Domain, mark: u32) -> io::Result<Socket> {
+fn new_socket(domain: Domain, mark: u32) -> Result<Socket, SocketError> {
     let sock = Socket::new(
         domain,
         Type::STREAM.nonblocking().cloexec(),
         Some(Protocol::TCP),
-    )?;
+    )
+    .map_err(io_err("socket"))?;
     if mark != 0 {
-        sock.set_mark(mark)?;
+        sock.set_mark(mark).map_err(io_err("set SO_MARK"))?;
     }
     Ok(sock)
 }
@@ -167,10 +169,7 @@ impl PodSockets {
             // After the Create, so this connect does not wait for the whole batch.
             let _ = self.tx.send(Request::Refill);
         }
-        reply_rx
-            .await
-            .map_err(|_| SocketError::Stopped)?
-            .map_err(io_err("socket"))
+        reply_rx.await.map_err(|_| SocketError::Stopped)?
     }
 
     /// A listener on `[::]:port` (dual stack) or, when IPv6 is unavailable in the pod, `0.0.0.0:port`,
