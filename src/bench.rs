@@ -506,47 +506,79 @@ fn stop_server(client: &Netns, addr: SocketAddr, listener_thread: std::thread::J
     let _ = Lab::connect_from(client, addr);
 }
 
-/// Keeps the calling thread and every thread of a process on CPU 0 until dropped (then back on all
-/// CPUs). With everything on one CPU a wake-up is a context switch; across CPUs of this VM it is an
+/// Keeps the calling thread and every thread of a process on one CPU until dropped (then back on
+/// the masks they had). With everything on one CPU a wake-up is a context switch; across CPUs of this VM it is an
 /// inter-processor interrupt that costs 15–20 µs per hop (seen with `perf sched timehist`), and the
 /// mesh path has two more hops than the direct one.
 struct OneCpu {
+    /// The node's pid and the masks in force before pinning: the bench thread (tid 0 = the
+    /// calling thread) and every node thread.
     pid: u32,
+    saved: Vec<(nix::unistd::Pid, nix::sched::CpuSet)>,
 }
 
 impl OneCpu {
+    /// Pins the calling thread and every thread of `pid` to the first CPU the calling thread may
+    /// use. On error, whatever was already pinned is restored (the guard exists before the first
+    /// change).
     fn pin(pid: u32) -> anyhow::Result<OneCpu> {
-        let mut one = nix::sched::CpuSet::new();
-        one.set(0)?;
-        nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &one)?;
-        set_process_affinity(pid, &one)?;
-        Ok(OneCpu { pid })
+        use nix::sched::{CpuSet, sched_getaffinity, sched_setaffinity};
+        let me = nix::unistd::Pid::from_raw(0);
+        let mine = sched_getaffinity(me)?;
+        let cpu = (0..CpuSet::count())
+            .find(|&c| mine.is_set(c).unwrap_or(false))
+            .context("the bench thread may run on no CPU")?;
+        let mut one = CpuSet::new();
+        one.set(cpu)?;
+        let mut guard = OneCpu {
+            pid,
+            saved: vec![(me, mine)],
+        };
+        for tid in tasks(pid)? {
+            // A thread may have exited since the listing.
+            if let Ok(mask) = sched_getaffinity(tid) {
+                guard.saved.push((tid, mask));
+            }
+        }
+        sched_setaffinity(me, &one)?;
+        for (tid, _) in &guard.saved[1..] {
+            let _ = sched_setaffinity(*tid, &one);
+        }
+        Ok(guard)
     }
 }
 
 impl Drop for OneCpu {
     fn drop(&mut self) {
-        let mut all = nix::sched::CpuSet::new();
-        for cpu in 0..nix::sched::CpuSet::count() {
-            let _ = all.set(cpu);
+        use nix::sched::sched_setaffinity;
+        for (tid, mask) in &self.saved {
+            let _ = sched_setaffinity(*tid, mask);
         }
-        let _ = nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &all);
-        let _ = set_process_affinity(self.pid, &all);
+        // Threads the node started while pinned get its main thread's mask.
+        let main = nix::unistd::Pid::from_raw(self.pid as i32);
+        let Some((_, main_mask)) = self.saved.iter().find(|(t, _)| *t == main) else {
+            return;
+        };
+        for tid in tasks(self.pid).unwrap_or_default() {
+            if !self.saved.iter().any(|(t, _)| *t == tid) {
+                let _ = sched_setaffinity(tid, main_mask);
+            }
+        }
     }
 }
 
-/// Sets the CPU affinity of every thread of `pid`.
-fn set_process_affinity(pid: u32, set: &nix::sched::CpuSet) -> anyhow::Result<()> {
+/// The thread ids of `pid`.
+fn tasks(pid: u32) -> anyhow::Result<Vec<nix::unistd::Pid>> {
+    let mut out = Vec::new();
     for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
         let tid: i32 = task?
             .file_name()
             .to_string_lossy()
             .parse()
             .context("task id")?;
-        // A thread may have exited since the listing.
-        let _ = nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(tid), set);
+        out.push(nix::unistd::Pid::from_raw(tid));
     }
-    Ok(())
+    Ok(out)
 }
 
 /// Round-trip percentiles of both paths, µs.
@@ -569,7 +601,7 @@ fn latency(
     port: u16,
     pin_node: Option<u32>,
 ) -> anyhow::Result<Latency> {
-    // Pinned before the echo servers start, so their threads inherit CPU 0.
+    // Pinned before the echo servers start, so their threads inherit the one CPU.
     let _pinned = pin_node.map(OneCpu::pin).transpose()?;
     let (d_addr, d_handle) = echo_server(d_server, port, false)?;
     let (m_addr, m_handle) = echo_server(m_server, port, false)?;

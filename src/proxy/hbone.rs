@@ -24,9 +24,6 @@ pub const FRAME_SIZE: u32 = 1024 * 1024;
 pub const SEND_BUFFER: usize = 1024 * 1024;
 /// Streams per pooled connection before a new one is dialed (`POOL_MAX_STREAMS_PER_CONNECTION`).
 pub const MAX_STREAMS_PER_CONNECTION: usize = 100;
-/// Plaintext rustls may buffer for sending on an HBONE connection (its default is 64 KiB), so one
-/// `writev` carries up to 16 TLS records.
-pub const TLS_SEND_BUFFER: usize = 256 * 1024;
 /// Max concurrent streams the server accepts per connection.
 pub const SERVER_MAX_STREAMS: u32 = 200;
 /// Max buffered outgoing bytes per stream on the server (ztunnel: 400 KiB).

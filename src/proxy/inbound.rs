@@ -7,7 +7,6 @@
 //! connect succeeded, 503 otherwise. Never an open proxy. Each HBONE connection is kept alive with
 //! HTTP/2 PINGs and owns its streams ([`serve_streams`]).
 
-use crate::proxy::hbone::TLS_SEND_BUFFER;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -50,7 +49,7 @@ pub enum InboundError {
     Upstream(#[source] SocketError),
     /// TLS handshake failed.
     #[error("TLS handshake: {0}")]
-    Tls(#[source] std::io::Error),
+    Tls(#[source] crate::proxy::tls::StreamError),
     /// HTTP/2 failed.
     #[error("HTTP/2: {0}")]
     H2(#[source] h2::Error),
@@ -69,8 +68,9 @@ pub async fn handle_hbone(pod: Arc<PodProxy>, tcp: TcpStream, peer: SocketAddr) 
         }
     };
     let peer = socket::canonical(peer);
-    let accept = tokio_rustls::TlsAcceptor::from(pod.server_tls.clone()).accept(tcp);
-    let timed_out = || std::io::Error::new(std::io::ErrorKind::TimedOut, "handshake timed out");
+    let accept = crate::proxy::tls::accept(pod.server_tls.clone(), tcp);
+    let timed_out =
+        || std::io::Error::new(std::io::ErrorKind::TimedOut, "handshake timed out").into();
     let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, accept)
         .await
         .unwrap_or_else(|_| Err(timed_out()))
@@ -81,11 +81,7 @@ pub async fn handle_hbone(pod: Arc<PodProxy>, tcp: TcpStream, peer: SocketAddr) 
             return;
         }
     };
-    let mut tls = tls;
-    tls.get_mut().1.set_buffer_limit(Some(TLS_SEND_BUFFER));
     let peer_id = tls
-        .get_ref()
-        .1
         .peer_certificates()
         .and_then(crate::proxy::tls::peer_identity);
     let conn = match tokio::time::timeout(

@@ -66,7 +66,7 @@ pub enum PoolError {
         addr: SocketAddr,
         /// Cause.
         #[source]
-        source: std::io::Error,
+        source: crate::proxy::tls::StreamError,
     },
     /// The HTTP/2 handshake failed or the connection closed.
     #[error("HTTP/2 with {addr}: {source}")]

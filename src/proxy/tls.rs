@@ -22,7 +22,11 @@ use rustls_pki_types::CertificateDer;
 
 use super::identity::{CertManager, Identity, IdentityError};
 
+pub mod record;
+pub mod stream;
 mod verify;
+
+pub use stream::{StreamError, TlsStream, accept, connect};
 
 /// The only ALPN protocol HBONE speaks.
 pub const ALPN_H2: &[u8] = b"h2";
@@ -140,6 +144,8 @@ pub fn client_config(
     cfg.alpn_protocols = vec![ALPN_H2.to_vec()];
     cfg.resumption = rustls::client::Resumption::disabled();
     cfg.enable_sni = false;
+    // the traffic keys go to `stream::TlsStream` after the handshake
+    cfg.enable_secret_extraction = true;
     Ok(Arc::new(cfg))
 }
 
@@ -180,6 +186,7 @@ pub fn server_config(
     cfg.alpn_protocols = vec![ALPN_H2.to_vec()];
     cfg.send_tls13_tickets = 0;
     cfg.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+    cfg.enable_secret_extraction = true;
     Ok(Arc::new(cfg))
 }
 

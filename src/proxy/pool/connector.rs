@@ -1,7 +1,6 @@
 //! How the pool gets a transport connection to a peer: the [`Connector`] seam and its production
 //! implementation (TCP from the pod netns, then mTLS with the pod's certificate).
 
-use crate::proxy::hbone::TLS_SEND_BUFFER;
 use std::future::Future;
 use std::sync::Arc;
 
@@ -40,7 +39,7 @@ impl PodConnector {
 }
 
 impl Connector for PodConnector {
-    type Io = tokio_rustls::client::TlsStream<TcpStream>;
+    type Io = tls::TlsStream<TcpStream>;
 
     async fn connect(&self, key: &PoolKey) -> Result<Self::Io, PoolError> {
         let tcp = self
@@ -55,14 +54,11 @@ impl Connector for PodConnector {
             tls::client_config(self.certs.clone(), key.src.clone(), vec![key.dst.clone()])?;
         // An IP server name makes rustls send no SNI, as ztunnel does.
         let name = ServerName::IpAddress(std::net::Ipv4Addr::UNSPECIFIED.into());
-        let mut tls = tokio_rustls::TlsConnector::from(config)
-            .connect(name, tcp)
+        tls::connect(config, name, tcp)
             .await
             .map_err(|source| PoolError::Handshake {
                 addr: key.addr,
                 source,
-            })?;
-        tls.get_mut().1.set_buffer_limit(Some(TLS_SEND_BUFFER));
-        Ok(tls)
+            })
     }
 }

@@ -1,0 +1,779 @@
+//! The HBONE mTLS byte stream. rustls runs the TLS 1.3 handshake through its unbuffered API and
+//! then hands over the traffic keys (`rustls::kernel`); [`TlsStream`] protects the records itself
+//! with [`record`](super::record), in its own buffers.
+//!
+//! Why not rustls' buffered stream: it reads the socket 4 KiB at a time and copies every received
+//! record twice (into its plaintext queue, then out to the reader) plus allocates per record.
+//! Here a received record is decrypted where it was read and copied once into the caller's
+//! buffer; a sent record is built in one copy and many go out per `write`.
+//!
+//! rustls keeps what it is good at: the handshake, certificate verification and the key schedule
+//! for KeyUpdate (RFC 8446 §4.6.3). This stream follows the peer's KeyUpdates, answers a burst of
+//! requests with one update, refuses more than 32 in a row, and updates its own send key before
+//! the cipher suite's confidentiality limit. No alert is sent when a record fails: the connection
+//! is closed (the peer sees a close without close_notify).
+
+use std::io::{self, IoSlice};
+use std::ops::{DerefMut, Range};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, ready};
+
+use bytes::{Buf, BytesMut};
+use rustls::client::{ClientConnectionData, UnbufferedClientConnection};
+use rustls::kernel::KernelConnection;
+use rustls::server::{ServerConnectionData, UnbufferedServerConnection};
+use rustls::unbuffered::{
+    ConnectionState, EncodeError, EncodeTlsData, UnbufferedConnectionCommon, UnbufferedStatus,
+};
+use rustls::{ClientConfig, ConnectionTrafficSecrets, ExtractedSecrets, ServerConfig};
+use rustls_pki_types::{CertificateDer, ServerName};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+
+use super::record::{self, RecordError, RecordKey, content};
+
+/// Target size of the receive buffer: several records per `read`.
+const READ_BUFFER: usize = 64 * 1024;
+/// Max plaintext per batch of sealed records (16 full records). One batch is in flight while the
+/// next is sealed, so up to twice this is buffered per connection; a writer waits when both are
+/// full.
+const WRITE_QUEUE: usize = 256 * 1024;
+/// Bytes a sealed record adds to its plaintext: header, content type, AEAD tag.
+const RECORD_OVERHEAD: usize = record::HEADER_LEN + 1 + 16;
+/// Max bytes buffered while the handshake waits for a whole message (rustls limits handshake
+/// messages to 64 KiB).
+const MAX_HANDSHAKE_BUFFER: usize = 128 * 1024;
+/// Max size of a post-handshake message (NewSessionTicket, KeyUpdate).
+const MAX_POST_HANDSHAKE: usize = 64 * 1024;
+/// KeyUpdates a peer may send between two application-data records (as rustls and BoringSSL).
+const MAX_KEY_UPDATES_IN_A_ROW: u8 = 32;
+/// Handshake message types (RFC 8446 §4).
+const NEW_SESSION_TICKET: u8 = 4;
+const KEY_UPDATE: u8 = 24;
+/// Alert descriptions (RFC 8446 §6).
+const CLOSE_NOTIFY: u8 = 0;
+const USER_CANCELED: u8 = 90;
+
+/// Errors of the handshake and of the record stream. Read and write errors reach the caller as
+/// `io::Error`s: socket errors as they are, a peer that closed without close_notify as
+/// `UnexpectedEof`, the rest as `InvalidData` wrapping these.
+#[derive(Debug, thiserror::Error)]
+pub enum StreamError {
+    /// The socket failed.
+    #[error("{0}")]
+    Io(#[from] io::Error),
+    /// rustls rejected the handshake (certificate, protocol or alert).
+    #[error("{0}")]
+    Tls(#[from] rustls::Error),
+    /// Record protection failed.
+    #[error("{0}")]
+    Record(#[from] RecordError),
+    /// The peer closed the connection before the handshake completed.
+    #[error("peer closed the connection during the TLS handshake")]
+    ClosedInHandshake,
+    /// The peer sent more than a handshake flight may hold.
+    #[error("TLS handshake data over {0} bytes")]
+    HandshakeTooLarge(usize),
+    /// A record or handshake message that is not allowed after the handshake.
+    #[error("unexpected TLS message: {0}")]
+    Unexpected(&'static str),
+    /// The config or the negotiated protocol is one this stream does not run.
+    #[error("TLS stream needs {0}")]
+    Unsupported(&'static str),
+    /// The peer sent a fatal alert.
+    #[error("peer sent TLS alert {0}")]
+    Alert(u8),
+}
+
+impl From<StreamError> for io::Error {
+    fn from(e: StreamError) -> io::Error {
+        match e {
+            StreamError::Io(e) => e,
+            other => io::Error::new(io::ErrorKind::InvalidData, other),
+        }
+    }
+}
+
+/// Runs the client side of the handshake over `io`, presenting the certificate and verifying the
+/// peer as `config` says (`config.enable_secret_extraction` must be set).
+///
+/// # Errors
+/// [`StreamError`]: the socket, rustls' verdict, or a peer that closed.
+pub async fn connect<IO>(
+    config: Arc<ClientConfig>,
+    name: ServerName<'static>,
+    io: IO,
+) -> Result<TlsStream<IO>, StreamError>
+where
+    IO: AsyncRead + AsyncWrite + Unpin,
+{
+    if !config.enable_secret_extraction {
+        return Err(StreamError::Unsupported("enable_secret_extraction"));
+    }
+    handshake(UnbufferedClientConnection::new(config, name)?, io).await
+}
+
+/// Runs the server side of the handshake over `io` (`config.enable_secret_extraction` must be
+/// set); returns once the client's Finished (and so its certificate) has been verified.
+///
+/// # Errors
+/// As [`connect`].
+pub async fn accept<IO>(config: Arc<ServerConfig>, io: IO) -> Result<TlsStream<IO>, StreamError>
+where
+    IO: AsyncRead + AsyncWrite + Unpin,
+{
+    if !config.enable_secret_extraction {
+        return Err(StreamError::Unsupported("enable_secret_extraction"));
+    }
+    handshake(UnbufferedServerConnection::new(config)?, io).await
+}
+
+/// What both unbuffered connection types offer the handshake driver.
+trait Unbuffered: DerefMut<Target = UnbufferedConnectionCommon<Self::Data>> {
+    type Data;
+    fn process<'c, 'i>(
+        &'c mut self,
+        incoming: &'i mut [u8],
+    ) -> UnbufferedStatus<'c, 'i, Self::Data>;
+    fn into_kernel(self) -> Result<(ExtractedSecrets, Kernel), rustls::Error>;
+}
+
+/// Implements [`Unbuffered`] for one side (the two types share no trait in rustls).
+macro_rules! unbuffered {
+    ($conn:ty, $data:ty, $kernel:ident) => {
+        impl Unbuffered for $conn {
+            type Data = $data;
+            fn process<'c, 'i>(
+                &'c mut self,
+                incoming: &'i mut [u8],
+            ) -> UnbufferedStatus<'c, 'i, Self::Data> {
+                self.process_tls_records(incoming)
+            }
+            fn into_kernel(self) -> Result<(ExtractedSecrets, Kernel), rustls::Error> {
+                let (secrets, k) = self.dangerous_into_kernel_connection()?;
+                Ok((secrets, Kernel::$kernel(k)))
+            }
+        }
+    };
+}
+
+unbuffered!(UnbufferedClientConnection, ClientConnectionData, Client);
+unbuffered!(UnbufferedServerConnection, ServerConnectionData, Server);
+
+/// rustls' state after the handshake: derives the next secrets on KeyUpdate.
+enum Kernel {
+    Client(KernelConnection<ClientConnectionData>),
+    Server(KernelConnection<ServerConnectionData>),
+}
+
+impl Kernel {
+    fn update_rx(&mut self) -> Result<(u64, ConnectionTrafficSecrets), rustls::Error> {
+        match self {
+            Kernel::Client(k) => k.update_rx_secret(),
+            Kernel::Server(k) => k.update_rx_secret(),
+        }
+    }
+    fn update_tx(&mut self) -> Result<(u64, ConnectionTrafficSecrets), rustls::Error> {
+        match self {
+            Kernel::Client(k) => k.update_tx_secret(),
+            Kernel::Server(k) => k.update_tx_secret(),
+        }
+    }
+    fn confidentiality_limit(&self) -> u64 {
+        let suite = match self {
+            Kernel::Client(k) => k.negotiated_cipher_suite(),
+            Kernel::Server(k) => k.negotiated_cipher_suite(),
+        };
+        suite
+            .tls13()
+            .map_or(u64::MAX, |s| s.common.confidentiality_limit)
+    }
+}
+
+/// The next step of the handshake driver.
+enum Step {
+    Process,
+    Transmit,
+    Feed,
+    Done,
+}
+
+/// Runs the handshake. rustls is handed one whole record at a time and nothing after the record
+/// that completes the handshake: every later record (the peer's first data, a KeyUpdate or a
+/// NewSessionTicket that came in the same read as its Finished) is left to the [`TlsStream`].
+async fn handshake<C, IO>(mut conn: C, mut io: IO) -> Result<TlsStream<IO>, StreamError>
+where
+    C: Unbuffered,
+    IO: AsyncRead + AsyncWrite + Unpin,
+{
+    let mut incoming = BytesMut::with_capacity(8 * 1024);
+    // `incoming[..fed]` holds the whole records rustls has been given
+    let mut fed = 0;
+    let mut outgoing = Vec::new();
+    loop {
+        let status = conn.process(&mut incoming[..fed]);
+        let discard = status.discard;
+        let step = match status.state {
+            Ok(ConnectionState::EncodeTlsData(mut enc)) => {
+                encode(&mut enc, &mut outgoing)?;
+                Step::Process
+            }
+            Ok(ConnectionState::TransmitTlsData(t)) => {
+                t.done();
+                Step::Transmit
+            }
+            Ok(ConnectionState::BlockedHandshake) => Step::Feed,
+            Ok(ConnectionState::WriteTraffic(_)) => Step::Done,
+            Ok(ConnectionState::PeerClosed | ConnectionState::Closed) => {
+                return Err(StreamError::ClosedInHandshake);
+            }
+            Ok(_) => return Err(StreamError::Unexpected("application data in the handshake")),
+            Err(e) => {
+                incoming.advance(discard);
+                fed -= discard;
+                send_alert(&mut conn, &mut incoming[..fed], &mut outgoing, &mut io).await;
+                return Err(e.into());
+            }
+        };
+        incoming.advance(discard);
+        fed -= discard;
+        match step {
+            Step::Process => {}
+            Step::Transmit => {
+                io.write_all(&outgoing).await?;
+                outgoing.clear();
+            }
+            // A server may send before the client's Finished arrives; wait for it, so the
+            // client certificate is verified before the stream exists.
+            Step::Done if !conn.is_handshaking() => break,
+            Step::Feed | Step::Done => fed += next_record(&mut io, &mut incoming, fed).await?,
+        }
+    }
+    if fed != 0 {
+        return Err(StreamError::Unexpected("handshake data after Finished"));
+    }
+    if !outgoing.is_empty() {
+        io.write_all(&outgoing).await?;
+    }
+    io.flush().await?;
+    if conn.protocol_version() != Some(rustls::ProtocolVersion::TLSv1_3) {
+        return Err(StreamError::Unsupported("a TLS version other than 1.3"));
+    }
+    let peer_certificates = conn
+        .peer_certificates()
+        .map(|chain| chain.iter().map(|c| c.clone().into_owned()).collect());
+    let alpn = conn.alpn_protocol().map(<[u8]>::to_vec);
+    let (secrets, kernel) = conn.into_kernel()?;
+    TlsStream::new(io, kernel, secrets, incoming, peer_certificates, alpn)
+}
+
+/// Reads until `incoming[fed..]` starts with a whole record; returns its length.
+async fn next_record<IO: AsyncRead + Unpin>(
+    io: &mut IO,
+    incoming: &mut BytesMut,
+    fed: usize,
+) -> Result<usize, StreamError> {
+    loop {
+        if let Some(header) = incoming[fed..].first_chunk::<{ record::HEADER_LEN }>() {
+            let len = record::HEADER_LEN + usize::from(u16::from_be_bytes([header[3], header[4]]));
+            if incoming.len() - fed >= len {
+                return Ok(len);
+            }
+        }
+        if incoming.len() >= MAX_HANDSHAKE_BUFFER {
+            return Err(StreamError::HandshakeTooLarge(MAX_HANDSHAKE_BUFFER));
+        }
+        incoming.reserve(8 * 1024);
+        if io.read_buf(incoming).await? == 0 {
+            return Err(StreamError::ClosedInHandshake);
+        }
+    }
+}
+
+/// Appends one handshake chunk rustls wants sent to `out`.
+fn encode<D>(enc: &mut EncodeTlsData<'_, D>, out: &mut Vec<u8>) -> Result<(), StreamError> {
+    let start = out.len();
+    out.resize(start + 4096, 0);
+    loop {
+        match enc.encode(&mut out[start..]) {
+            Ok(n) => {
+                out.truncate(start + n);
+                return Ok(());
+            }
+            Err(EncodeError::InsufficientSize(s)) => out.resize(start + s.required_size, 0),
+            Err(EncodeError::AlreadyEncoded) => {
+                out.truncate(start);
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// After a failed handshake, sends the alert rustls queued (best effort), so the peer learns why.
+async fn send_alert<C: Unbuffered, IO: AsyncWrite + Unpin>(
+    conn: &mut C,
+    fed: &mut [u8],
+    out: &mut Vec<u8>,
+    io: &mut IO,
+) {
+    out.clear();
+    // rustls tracks its position in the records it was given: it must see the same bytes again
+    while let Ok(ConnectionState::EncodeTlsData(mut enc)) = conn.process(fed).state {
+        if encode(&mut enc, out).is_err() {
+            break;
+        }
+    }
+    if !out.is_empty() {
+        let _ = io.write_all(out).await;
+        let _ = io.flush().await;
+    }
+}
+
+/// A TLS 1.3 connection after its handshake: `AsyncRead`/`AsyncWrite` of the application data.
+///
+/// Reads decrypt whole records in the receive buffer (64 KiB, released while the socket is
+/// idle) and copy their plaintext out; writes seal up to 16 KiB per record into batches of up to
+/// 256 KiB of plaintext, one being sent while the next fills (both released once sent).
+/// `poll_shutdown` sends close_notify. A peer's NewSessionTicket is ignored (resumption is off),
+/// KeyUpdate is followed (and answered when requested, except after our close_notify), alerts
+/// other than close_notify and user_canceled end the stream.
+///
+/// One task must drive both directions (as h2 does): a read may send a queued KeyUpdate answer
+/// and so registers the read's waker for write readiness.
+pub struct TlsStream<IO> {
+    io: IO,
+    kernel: Kernel,
+    rx: RecordKey,
+    tx: RecordKey,
+    /// Sequence number at which the send key is updated (confidentiality limit).
+    tx_rekey_at: u64,
+    /// Received bytes; `[..rpos]` is consumed or holds `plain`.
+    rbuf: BytesMut,
+    rpos: usize,
+    /// Decrypted plaintext in `rbuf` not yet read.
+    plain: Range<usize>,
+    /// A post-handshake message split over records.
+    handshake: Vec<u8>,
+    /// Sealed records being sent; `[..wpos]` already sent.
+    wbuf: Vec<u8>,
+    wpos: usize,
+    /// Records sealed while `wbuf` is in flight (double buffering: the next batch is encrypted
+    /// while the socket drains the previous one).
+    wnext: Vec<u8>,
+    read_closed: bool,
+    close_sent: bool,
+    /// A KeyUpdate request was answered and no application data was sent since: further
+    /// requests need no answer of their own (RFC 8446 §4.6.3).
+    answered: bool,
+    /// KeyUpdates received since the last application-data record.
+    updates_in_a_row: u8,
+    /// NewSessionTickets received (and ignored).
+    tickets: u32,
+    /// Key updates of the receive and the send direction.
+    rx_updates: u32,
+    tx_updates: u32,
+    /// A read error, returned again on later reads.
+    read_failed: Option<(io::ErrorKind, String)>,
+    peer_certificates: Option<Vec<CertificateDer<'static>>>,
+    alpn: Option<Vec<u8>>,
+}
+
+impl<IO> std::fmt::Debug for TlsStream<IO> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TlsStream")
+            .field("rx", &self.rx)
+            .field("tx", &self.tx)
+            .field("rx_updates", &self.rx_updates)
+            .field("tx_updates", &self.tx_updates)
+            .field("read_closed", &self.read_closed)
+            .field("close_sent", &self.close_sent)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<IO> TlsStream<IO> {
+    fn new(
+        io: IO,
+        kernel: Kernel,
+        secrets: ExtractedSecrets,
+        rbuf: BytesMut,
+        peer_certificates: Option<Vec<CertificateDer<'static>>>,
+        alpn: Option<Vec<u8>>,
+    ) -> Result<TlsStream<IO>, StreamError> {
+        let ExtractedSecrets {
+            tx: (tx_seq, tx),
+            rx: (rx_seq, rx),
+        } = secrets;
+        let tx_rekey_at = kernel.confidentiality_limit().saturating_sub(1);
+        Ok(TlsStream {
+            io,
+            kernel,
+            rx: RecordKey::new(rx_seq, rx)?,
+            tx: RecordKey::new(tx_seq, tx)?,
+            tx_rekey_at,
+            rbuf,
+            rpos: 0,
+            plain: 0..0,
+            handshake: Vec::new(),
+            wbuf: Vec::new(),
+            wpos: 0,
+            wnext: Vec::new(),
+            read_closed: false,
+            close_sent: false,
+            answered: false,
+            updates_in_a_row: 0,
+            tickets: 0,
+            rx_updates: 0,
+            tx_updates: 0,
+            read_failed: None,
+            peer_certificates,
+            alpn,
+        })
+    }
+
+    /// The peer's certificate chain, leaf first (`None` if it sent none).
+    pub fn peer_certificates(&self) -> Option<&[CertificateDer<'static>]> {
+        self.peer_certificates.as_deref()
+    }
+
+    /// The negotiated ALPN protocol.
+    pub fn alpn_protocol(&self) -> Option<&[u8]> {
+        self.alpn.as_deref()
+    }
+
+    /// The underlying transport.
+    pub fn get_ref(&self) -> &IO {
+        &self.io
+    }
+
+    /// Sets the sequence number at which the send key is updated (tests).
+    #[cfg(test)]
+    fn rekey_at(&mut self, seq: u64) {
+        self.tx_rekey_at = seq;
+    }
+
+    /// Seals one record of `typ` whose plaintext `fill` appends, updating the send key first
+    /// when it reached its limit.
+    fn seal(&mut self, typ: u8, fill: impl FnOnce(&mut Vec<u8>)) -> Result<(), StreamError> {
+        if self.tx.seq() >= self.tx_rekey_at {
+            self.send_key_update()?;
+        }
+        if typ == content::APPLICATION_DATA {
+            self.answered = false;
+        }
+        self.tx.seal(typ, &mut self.wnext, fill)?;
+        Ok(())
+    }
+
+    /// Sends KeyUpdate(update_not_requested) under the current key, then switches to the next.
+    fn send_key_update(&mut self) -> Result<(), StreamError> {
+        self.tx.seal(content::HANDSHAKE, &mut self.wnext, |o| {
+            o.extend_from_slice(&[KEY_UPDATE, 0, 0, 1, 0]);
+        })?;
+        let (seq, secrets) = self.kernel.update_tx()?;
+        self.tx = RecordKey::new(seq, secrets)?;
+        self.tx_updates = self.tx_updates.saturating_add(1);
+        Ok(())
+    }
+
+    /// Decrypts the next whole record in `rbuf`, if any. Returns whether one was consumed.
+    fn open_next(&mut self) -> Result<bool, StreamError> {
+        let Some(len) = record::record_len(&self.rbuf[self.rpos..])? else {
+            return Ok(false);
+        };
+        if self.rbuf.len() - self.rpos < len {
+            return Ok(false);
+        }
+        let at = self.rpos;
+        let (typ, range) = self.rx.open(&mut self.rbuf[at..at + len])?;
+        self.rpos += len;
+        let range = at + range.start..at + range.end;
+        if typ != content::HANDSHAKE && !self.handshake.is_empty() {
+            return Err(StreamError::Unexpected("record inside a handshake message"));
+        }
+        match typ {
+            content::APPLICATION_DATA => {
+                self.plain = range;
+                self.updates_in_a_row = 0;
+            }
+            content::HANDSHAKE if range.is_empty() => {
+                return Err(StreamError::Unexpected("empty handshake record"));
+            }
+            content::HANDSHAKE => {
+                if self.handshake.len() + range.len() > MAX_POST_HANDSHAKE + 4 {
+                    return Err(StreamError::HandshakeTooLarge(MAX_POST_HANDSHAKE));
+                }
+                self.handshake.extend_from_slice(&self.rbuf[range]);
+                self.on_handshake()?;
+            }
+            content::ALERT => match self.rbuf[range] {
+                [_, CLOSE_NOTIFY] => self.read_closed = true,
+                [_, USER_CANCELED] => {}
+                [_, desc] => return Err(StreamError::Alert(desc)),
+                _ => return Err(StreamError::Unexpected("malformed alert")),
+            },
+            _ => return Err(StreamError::Unexpected("record content type")),
+        }
+        Ok(true)
+    }
+
+    /// Handles the whole post-handshake messages buffered in `self.handshake`.
+    fn on_handshake(&mut self) -> Result<(), StreamError> {
+        while let [typ, a, b, c, rest @ ..] = self.handshake.as_slice() {
+            let len = usize::from(*a) << 16 | usize::from(*b) << 8 | usize::from(*c);
+            if len > MAX_POST_HANDSHAKE {
+                return Err(StreamError::HandshakeTooLarge(MAX_POST_HANDSHAKE));
+            }
+            if rest.len() < len {
+                return Ok(());
+            }
+            match (*typ, &rest[..len]) {
+                (NEW_SESSION_TICKET, _) if matches!(self.kernel, Kernel::Client(_)) => {
+                    self.tickets = self.tickets.saturating_add(1);
+                }
+                (KEY_UPDATE, [request @ (0 | 1)]) => {
+                    // KeyUpdate must end its record: the next record is under the new key.
+                    if rest.len() > len {
+                        return Err(StreamError::Unexpected("data after KeyUpdate"));
+                    }
+                    let request = *request;
+                    let (seq, secrets) = self.kernel.update_rx()?;
+                    self.rx = RecordKey::new(seq, secrets)?;
+                    self.rx_updates = self.rx_updates.saturating_add(1);
+                    self.updates_in_a_row += 1;
+                    if self.updates_in_a_row > MAX_KEY_UPDATES_IN_A_ROW {
+                        return Err(StreamError::Unexpected("too many KeyUpdates"));
+                    }
+                    // one answer per burst of requests, and none after our close_notify
+                    if request == 1 && !self.answered && !self.close_sent {
+                        self.send_key_update()?;
+                        self.answered = true;
+                    }
+                }
+                _ => return Err(StreamError::Unexpected("post-handshake message")),
+            }
+            self.handshake.drain(..4 + len);
+            if self.handshake.is_empty() {
+                self.handshake = Vec::new();
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads more bytes from the socket into `rbuf`. `Ready(Ok(0))` is end of stream.
+    fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>>
+    where
+        IO: AsyncRead + Unpin,
+    {
+        // Only called with no plaintext pending: everything before `rpos` can go.
+        self.rbuf.advance(self.rpos);
+        self.rpos = 0;
+        self.plain = 0..0;
+        let partial = self.rbuf.len();
+        if self.rbuf.capacity() - partial < record::MAX_CIPHERTEXT {
+            self.rbuf.reserve(READ_BUFFER - partial);
+        }
+        match tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.rbuf) {
+            Poll::Pending => {
+                if self.rbuf.is_empty() {
+                    self.rbuf = BytesMut::new();
+                }
+                Poll::Pending
+            }
+            other => other,
+        }
+    }
+
+    /// Writes queued records until the queue is empty (then released) or the socket is full.
+    fn poll_drain(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>>
+    where
+        IO: AsyncWrite + Unpin,
+    {
+        loop {
+            if self.wpos == self.wbuf.len() {
+                if self.wnext.is_empty() {
+                    // idle: give both buffers back
+                    self.wbuf = Vec::new();
+                    self.wnext = Vec::new();
+                    self.wpos = 0;
+                    return Poll::Ready(Ok(()));
+                }
+                std::mem::swap(&mut self.wbuf, &mut self.wnext);
+                self.wnext.clear();
+                self.wpos = 0;
+            }
+            match ready!(Pin::new(&mut self.io).poll_write(cx, &self.wbuf[self.wpos..])) {
+                Ok(0) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
+                Ok(n) => self.wpos += n,
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+        }
+    }
+
+    fn read_error(&mut self, e: StreamError) -> io::Error {
+        let e = io::Error::from(e);
+        self.read_failed = Some((e.kind(), e.to_string()));
+        e
+    }
+}
+
+impl<IO: AsyncRead + AsyncWrite + Unpin> AsyncRead for TlsStream<IO> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        out: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if this.wpos < this.wbuf.len() || !this.wnext.is_empty() {
+            // a KeyUpdate answer (or unflushed data): keep it moving; write errors surface on
+            // the next write or flush
+            let _ = this.poll_drain(cx);
+        }
+        if let Some((kind, msg)) = &this.read_failed {
+            return Poll::Ready(Err(io::Error::new(*kind, msg.clone())));
+        }
+        let start = out.filled().len();
+        loop {
+            if !this.plain.is_empty() {
+                let n = this.plain.len().min(out.remaining());
+                out.put_slice(&this.rbuf[this.plain.start..this.plain.start + n]);
+                this.plain.start += n;
+                if out.remaining() == 0 {
+                    return Poll::Ready(Ok(()));
+                }
+            }
+            if this.read_closed {
+                return Poll::Ready(Ok(()));
+            }
+            match this.open_next() {
+                Ok(true) => {
+                    if !this.wnext.is_empty() {
+                        // a KeyUpdate answer: start sending it (errors: as above)
+                        let _ = this.poll_drain(cx);
+                    }
+                    continue;
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    let e = this.read_error(e);
+                    if out.filled().len() > start {
+                        return Poll::Ready(Ok(()));
+                    }
+                    return Poll::Ready(Err(e));
+                }
+            }
+            if out.filled().len() > start {
+                return Poll::Ready(Ok(()));
+            }
+            if ready!(this.poll_fill(cx))? == 0 {
+                let why = if this.rbuf.is_empty() {
+                    "peer closed the connection without close_notify"
+                } else {
+                    "peer closed the connection inside a TLS record"
+                };
+                return Poll::Ready(Err(io::Error::new(io::ErrorKind::UnexpectedEof, why)));
+            }
+        }
+    }
+}
+
+impl<IO: AsyncRead + AsyncWrite + Unpin> AsyncWrite for TlsStream<IO> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        self.poll_write_vectored(cx, &[IoSlice::new(buf)])
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        if this.close_sent {
+            return Poll::Ready(Err(io::ErrorKind::BrokenPipe.into()));
+        }
+        // Send what is queued; a new batch is sealed while the previous one is in flight, and
+        // the writer waits once both are full.
+        if let Poll::Ready(Err(e)) = this.poll_drain(cx) {
+            return Poll::Ready(Err(e));
+        }
+        if this.wnext.len() >= WRITE_QUEUE {
+            return Poll::Pending;
+        }
+        let total = bufs
+            .iter()
+            .map(|b| b.len())
+            .sum::<usize>()
+            .min(WRITE_QUEUE - this.wnext.len());
+        // room for all the records at once, so sealing does not regrow (and recopy) the batch
+        let records = total.div_ceil(record::MAX_PLAINTEXT);
+        this.wnext.reserve(total + records * RECORD_OVERHEAD);
+        let mut src = Gather {
+            bufs,
+            at: 0,
+            off: 0,
+        };
+        let mut left = total;
+        while left > 0 {
+            let n = left.min(record::MAX_PLAINTEXT);
+            this.seal(content::APPLICATION_DATA, |o| src.copy_to(o, n))?;
+            left -= n;
+        }
+        // Start sending; errors surface on the next write or flush.
+        let _ = this.poll_drain(cx);
+        Poll::Ready(Ok(total))
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        true
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        ready!(this.poll_drain(cx))?;
+        Pin::new(&mut this.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if !this.close_sent {
+            this.seal(content::ALERT, |o| o.extend_from_slice(&[1, CLOSE_NOTIFY]))?;
+            this.close_sent = true;
+        }
+        ready!(this.poll_drain(cx))?;
+        Pin::new(&mut this.io).poll_shutdown(cx)
+    }
+}
+
+/// A cursor over the caller's write slices.
+struct Gather<'a, 'b> {
+    bufs: &'a [IoSlice<'b>],
+    at: usize,
+    off: usize,
+}
+
+impl Gather<'_, '_> {
+    /// Appends the next `n` bytes to `out` (fewer if the slices end).
+    fn copy_to(&mut self, out: &mut Vec<u8>, mut n: usize) {
+        while n > 0 {
+            let Some(buf) = self.bufs.get(self.at) else {
+                return;
+            };
+            let take = (buf.len() - self.off).min(n);
+            out.extend_from_slice(&buf[self.off..self.off + take]);
+            self.off += take;
+            n -= take;
+            if self.off == buf.len() {
+                self.at += 1;
+                self.off = 0;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+#[path = "stream_tests.rs"]
+mod tests;

@@ -1,0 +1,441 @@
+//! Tests of [`TlsStream`]: our two ends together, and each end against rustls' own buffered
+//! stream (tokio-rustls), which is what Istio's ztunnel runs: tickets, KeyUpdate both ways,
+//! close_notify, tampering and truncation.
+
+use std::net::Ipv4Addr;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
+
+use super::*;
+use crate::proxy::identity::{Ca, CertManager, DEFAULT_CERT_LIFETIME, Identity};
+use crate::proxy::tls::{client_config, peer_identity, server_config};
+
+fn client_id() -> Identity {
+    Identity::new("cluster.local", "ns-a", "client")
+}
+
+fn server_id() -> Identity {
+    Identity::new("cluster.local", "ns-b", "server")
+}
+
+fn configs() -> (Arc<ClientConfig>, Arc<ServerConfig>) {
+    let certs = CertManager::new(Ca::generate().expect("CA"), DEFAULT_CERT_LIFETIME);
+    let client = client_config(certs.clone(), client_id(), vec![server_id()]).expect("client");
+    let server = server_config(certs, server_id()).expect("server");
+    (client, server)
+}
+
+fn name() -> ServerName<'static> {
+    ServerName::IpAddress(Ipv4Addr::UNSPECIFIED.into())
+}
+
+async fn within<F: Future>(f: F) -> F::Output {
+    tokio::time::timeout(Duration::from_secs(20), f)
+        .await
+        .expect("finished in time")
+}
+
+/// Our client and our server, handshaken over an in-memory pipe.
+async fn ours() -> (TlsStream<DuplexStream>, TlsStream<DuplexStream>) {
+    let (client, server) = configs();
+    let (c, s) = tokio::io::duplex(64 * 1024);
+    let (c, s) =
+        within(async { tokio::join!(connect(client, name(), c), accept(server, s)) }).await;
+    (c.expect("client handshake"), s.expect("server handshake"))
+}
+
+type RustlsClient = tokio_rustls::client::TlsStream<DuplexStream>;
+type RustlsServer = tokio_rustls::server::TlsStream<DuplexStream>;
+
+/// A rustls client (tokio-rustls) and our server, handshaken.
+async fn rustls_client_our_server() -> (RustlsClient, TlsStream<DuplexStream>) {
+    let (client, server) = configs();
+    let (c, s) = tokio::io::duplex(64 * 1024);
+    let (c, s) = within(async {
+        tokio::join!(
+            tokio_rustls::TlsConnector::from(client).connect(name(), c),
+            accept(server, s)
+        )
+    })
+    .await;
+    (c.expect("rustls client"), s.expect("our server"))
+}
+
+/// Our client (with `client`) and a rustls server (tokio-rustls, with `server`), handshaken.
+async fn our_client_rustls_server(
+    client: Arc<ClientConfig>,
+    server: Arc<ServerConfig>,
+) -> (TlsStream<DuplexStream>, RustlsServer) {
+    let (c, s) = tokio::io::duplex(64 * 1024);
+    let (c, s) = within(async {
+        tokio::join!(
+            connect(client, name(), c),
+            tokio_rustls::TlsAcceptor::from(server).accept(s)
+        )
+    })
+    .await;
+    (c.expect("our client"), s.expect("rustls server"))
+}
+
+fn payload(len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i * 7 % 251) as u8).collect()
+}
+
+/// Writes `data` in uneven pieces (some vectored), then shuts down (close_notify).
+async fn send_all<W: AsyncWrite + Unpin>(w: &mut W, data: &[u8]) {
+    let mut at = 0;
+    let mut step = 1;
+    while at < data.len() {
+        let end = (at + step).min(data.len());
+        if step % 2 == 0 {
+            let mid = at + (end - at) / 2;
+            let bufs = [IoSlice::new(&data[at..mid]), IoSlice::new(&data[mid..end])];
+            let n = w.write_vectored(&bufs).await.expect("write_vectored");
+            at += n;
+        } else {
+            w.write_all(&data[at..end]).await.expect("write");
+            at = end;
+        }
+        step = (step * 3 + 1) % 70_000;
+    }
+    w.shutdown().await.expect("shutdown");
+}
+
+async fn read_to_end<R: AsyncRead + Unpin>(r: &mut R) -> io::Result<Vec<u8>> {
+    let mut got = Vec::new();
+    r.read_to_end(&mut got).await?;
+    Ok(got)
+}
+
+#[tokio::test]
+async fn our_ends_carry_data_both_ways_and_close_with_close_notify() {
+    let (mut c, mut s) = ours().await;
+    assert_eq!(c.alpn_protocol(), Some(&b"h2"[..]));
+    let chain = s.peer_certificates().expect("client chain");
+    assert_eq!(peer_identity(chain), Some(client_id()));
+    let up = payload(3 * 1024 * 1024 + 5);
+    let down = payload(700_001);
+    let (got_down, got_up) = within(async {
+        tokio::join!(
+            async {
+                send_all(&mut c, &up).await;
+                read_to_end(&mut c)
+                    .await
+                    .expect("client reads to close_notify")
+            },
+            async {
+                let got = read_to_end(&mut s)
+                    .await
+                    .expect("server reads to close_notify");
+                send_all(&mut s, &down).await;
+                got
+            }
+        )
+    })
+    .await;
+    assert!(got_up == up, "upload intact ({} bytes)", got_up.len());
+    assert!(
+        got_down == down,
+        "download intact ({} bytes)",
+        got_down.len()
+    );
+    // both batches were sent and released
+    assert!(c.wbuf.capacity() == 0 && c.wnext.capacity() == 0);
+}
+
+#[tokio::test]
+async fn our_client_follows_a_rustls_server_with_tickets_and_key_updates() {
+    let (client, server) = configs();
+    // a client that offers resumption, so that the server sends its tickets
+    let mut client = (*client).clone();
+    client.resumption = rustls::client::Resumption::in_memory_sessions(4);
+    let client = Arc::new(client);
+    let mut server = (*server).clone();
+    server.send_tls13_tickets = 2;
+    server.session_storage = rustls::server::ServerSessionMemoryCache::new(16);
+    let (mut c, mut s) = our_client_rustls_server(client, Arc::new(server)).await;
+    let first = payload(100_000);
+    let second = payload(300_000);
+    let reply = payload(200_000);
+    within(async {
+        tokio::join!(
+            async {
+                s.write_all(&first).await.expect("write");
+                s.flush().await.expect("flush");
+                // KeyUpdate(update_requested): we must follow it and answer with our own
+                s.get_mut().1.refresh_traffic_keys().expect("key update");
+                s.write_all(&second).await.expect("write");
+                s.flush().await.expect("flush");
+                let mut got = vec![0; reply.len()];
+                s.read_exact(&mut got)
+                    .await
+                    .expect("reply under our new key");
+                assert!(got == reply);
+                s.shutdown().await.expect("shutdown");
+            },
+            async {
+                let mut got = vec![0; first.len() + second.len()];
+                c.read_exact(&mut got).await.expect("both halves");
+                assert!(got[..first.len()] == first[..] && got[first.len()..] == second[..]);
+                assert_eq!(c.tickets, 2, "both tickets were read and skipped");
+                // followed the server's KeyUpdate and answered the request with our own
+                assert_eq!((c.rx_updates, c.tx_updates), (1, 1), "{c:?}");
+                c.write_all(&reply).await.expect("reply");
+                c.flush().await.expect("flush");
+                assert_eq!(read_to_end(&mut c).await.expect("close_notify"), b"");
+            }
+        )
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn our_server_follows_a_rustls_client_with_key_updates() {
+    let (mut c, mut s) = rustls_client_our_server().await;
+    let data = payload(500_000);
+    within(async {
+        tokio::join!(
+            async {
+                c.write_all(&data[..1000]).await.expect("write");
+                c.get_mut().1.refresh_traffic_keys().expect("key update");
+                c.write_all(&data[1000..]).await.expect("write");
+                c.shutdown().await.expect("shutdown");
+                let mut echo = Vec::new();
+                c.read_to_end(&mut echo)
+                    .await
+                    .expect("echo to close_notify");
+                assert!(echo == data);
+            },
+            async {
+                let got = read_to_end(&mut s).await.expect("read to close_notify");
+                assert!(got == data);
+                assert_eq!((s.rx_updates, s.tx_updates), (1, 1), "{s:?}");
+                send_all(&mut s, &got).await;
+            }
+        )
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn the_send_key_is_updated_at_the_confidentiality_limit() {
+    let (client, server) = configs();
+    let (mut c, mut s) = our_client_rustls_server(client, server).await;
+    c.rekey_at(3);
+    let data = payload(10 * record::MAX_PLAINTEXT);
+    within(async {
+        tokio::join!(
+            async {
+                c.write_all(&data).await.expect("write");
+                c.shutdown().await.expect("shutdown");
+            },
+            async {
+                let mut got = Vec::new();
+                s.read_to_end(&mut got)
+                    .await
+                    .expect("rustls reads across the updates");
+                assert!(got == data);
+            }
+        )
+    })
+    .await;
+    // 10 data records and a close_notify: an update after every 3 records
+    assert_eq!(c.tx_updates, 3, "{c:?}");
+    assert!(c.tx.seq() < 3, "{c:?}");
+}
+
+#[tokio::test]
+async fn a_tampered_record_fails_the_read_for_good() {
+    let (mut c, mut s) = ours().await;
+    c.write_all(b"fine").await.expect("write");
+    c.flush().await.expect("flush");
+    let mut four = [0u8; 4];
+    within(s.read_exact(&mut four)).await.expect("first record");
+    c.write_all(&[7u8; 100]).await.expect("write");
+    c.flush().await.expect("flush");
+    // flip one bit of the sealed record on its way (it is still in the pipe)
+    let mut raw = vec![0u8; 5 + 100 + 1 + 16];
+    within(s.io.read_exact(&mut raw)).await.expect("raw record");
+    raw[50] ^= 1;
+    s.rbuf.extend_from_slice(&raw);
+    let err = within(s.read(&mut four)).await.expect_err("tampered");
+    assert_eq!(err.kind(), io::ErrorKind::InvalidData);
+    assert!(err.to_string().contains("authentication"), "{err}");
+    let again = within(s.read(&mut four)).await.expect_err("still failed");
+    assert_eq!(again.to_string(), err.to_string());
+}
+
+#[tokio::test]
+async fn oversized_and_foreign_records_are_rejected() {
+    for (header, want) in [
+        ([23u8, 3, 3, 0x41, 0x01], "exceeds"),
+        ([22u8, 3, 3, 0, 10], "type 22"),
+    ] {
+        let (mut c, mut s) = ours().await;
+        c.io.write_all(&header).await.expect("raw header");
+        let mut buf = [0u8; 8];
+        let err = within(s.read(&mut buf)).await.expect_err("rejected");
+        assert!(err.to_string().contains(want), "{err}");
+    }
+}
+
+#[tokio::test]
+async fn truncation_without_close_notify_is_an_error() {
+    let (c, mut s) = ours().await;
+    drop(c);
+    let mut buf = [0u8; 8];
+    let err = within(s.read(&mut buf)).await.expect_err("truncated");
+    assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof);
+}
+
+#[tokio::test]
+async fn a_rejected_peer_fails_both_handshakes() {
+    let (_, server) = configs();
+    // a client from another CA, expecting the right identity
+    let other = CertManager::new(Ca::generate().expect("CA"), DEFAULT_CERT_LIFETIME);
+    let client = client_config(other, client_id(), vec![server_id()]).expect("client");
+    let (c, s) = tokio::io::duplex(64 * 1024);
+    let (c, s) =
+        within(async { tokio::join!(connect(client, name(), c), accept(server, s)) }).await;
+    let c = c.expect_err("the client rejects the server's certificate");
+    assert!(matches!(c, StreamError::Tls(_)), "{c}");
+    // the server learns it from the client's alert, not from a bare close
+    let s = s.expect_err("server handshake fails");
+    assert!(matches!(s, StreamError::Tls(_)), "{s}");
+}
+
+/// A rustls client against our server; `drive` runs the client side (after its handshake).
+async fn against_rustls_client<F, Fut>(drive: F) -> TlsStream<DuplexStream>
+where
+    F: FnOnce(tokio_rustls::client::TlsStream<DuplexStream>) -> Fut,
+    Fut: Future<Output = ()>,
+{
+    let (c, s) = rustls_client_our_server().await;
+    within(drive(c)).await;
+    s
+}
+
+#[tokio::test]
+async fn a_burst_of_key_update_requests_gets_one_answer_and_a_flood_ends_the_stream() {
+    let mut s = against_rustls_client(|mut c| async move {
+        c.write_all(b"a").await.expect("write");
+        for _ in 0..20 {
+            c.get_mut().1.refresh_traffic_keys().expect("key update");
+        }
+        c.write_all(b"b").await.expect("write");
+        c.shutdown().await.expect("shutdown");
+    })
+    .await;
+    assert_eq!(within(read_to_end(&mut s)).await.expect("read"), b"ab");
+    assert_eq!((s.rx_updates, s.tx_updates), (20, 1), "{s:?}");
+
+    let mut s = against_rustls_client(|mut c| async move {
+        c.write_all(b"a").await.expect("write");
+        for _ in 0..=MAX_KEY_UPDATES_IN_A_ROW {
+            c.get_mut().1.refresh_traffic_keys().expect("key update");
+        }
+        c.write_all(b"b").await.expect("write");
+        c.flush().await.expect("flush");
+    })
+    .await;
+    let err = within(read_to_end(&mut s))
+        .await
+        .expect_err("flood refused");
+    assert!(err.to_string().contains("too many KeyUpdates"), "{err}");
+}
+
+#[tokio::test]
+async fn no_key_update_answer_after_our_close_notify() {
+    let (mut c, mut s) = rustls_client_our_server().await;
+    within(s.shutdown()).await.expect("our close_notify");
+    c.get_mut().1.refresh_traffic_keys().expect("key update");
+    within(c.write_all(b"late")).await.expect("write");
+    within(c.flush()).await.expect("flush");
+    let mut got = [0u8; 4];
+    within(s.read_exact(&mut got))
+        .await
+        .expect("data after the update");
+    assert_eq!(&got, b"late");
+    assert_eq!((s.rx_updates, s.tx_updates), (1, 0), "{s:?}");
+}
+
+/// A client whose Finished, a KeyUpdate(update_requested) and its first data reach our server in
+/// one read: the KeyUpdate must be ours to follow and answer, not rustls'.
+#[tokio::test]
+async fn records_after_the_clients_finished_in_the_same_read_reach_the_stream() {
+    let (client, server) = configs();
+    let (mut c, s) = tokio::io::duplex(64 * 1024);
+    let client_side = async move {
+        let mut tls = rustls::ClientConnection::new(client, name()).expect("client");
+        let mut buf = vec![0u8; 64 * 1024];
+        let mut out = Vec::new();
+        while tls.is_handshaking() {
+            while tls.wants_write() {
+                tls.write_tls(&mut out).expect("write_tls");
+            }
+            c.write_all(&out).await.expect("send");
+            out.clear();
+            if !tls.is_handshaking() {
+                break;
+            }
+            let n = c.read(&mut buf).await.expect("read");
+            assert!(n > 0, "server closed");
+            tls.read_tls(&mut &buf[..n]).expect("read_tls");
+            tls.process_new_packets().expect("process");
+        }
+        // Finished is queued: add a KeyUpdate request and data, and send all in one write
+        tls.refresh_traffic_keys().expect("key update");
+        std::io::Write::write_all(&mut tls.writer(), b"first").expect("plaintext");
+        while tls.wants_write() {
+            tls.write_tls(&mut out).expect("write_tls");
+        }
+        c.write_all(&out).await.expect("one write");
+        // the answer: read the server's reply, sent under its updated key
+        let mut got = Vec::new();
+        while got.len() < 5 {
+            let n = c.read(&mut buf).await.expect("read");
+            assert!(n > 0, "server closed");
+            tls.read_tls(&mut &buf[..n]).expect("read_tls");
+            tls.process_new_packets().expect("reply decrypts");
+            let mut chunk = [0u8; 64];
+            while let Ok(k) = std::io::Read::read(&mut tls.reader(), &mut chunk) {
+                if k == 0 {
+                    break;
+                }
+                got.extend_from_slice(&chunk[..k]);
+            }
+        }
+        assert_eq!(got, b"reply");
+    };
+    let server_side = async move {
+        let mut s = accept(server, s).await.expect("our server");
+        let mut got = [0u8; 5];
+        s.read_exact(&mut got).await.expect("first data");
+        assert_eq!(&got, b"first");
+        assert_eq!((s.rx_updates, s.tx_updates), (1, 1), "{s:?}");
+        s.write_all(b"reply").await.expect("reply");
+        s.flush().await.expect("flush");
+        s
+    };
+    let (_, _s) = within(async { tokio::join!(client_side, server_side) }).await;
+}
+
+#[tokio::test]
+async fn a_config_without_secret_extraction_is_refused_before_the_handshake() {
+    let (client, server) = configs();
+    let mut client = (*client).clone();
+    client.enable_secret_extraction = false;
+    let mut server = (*server).clone();
+    server.enable_secret_extraction = false;
+    let (c, s) = tokio::io::duplex(1024);
+    let c = connect(Arc::new(client), name(), c)
+        .await
+        .expect_err("client refused");
+    let s = accept(Arc::new(server), s)
+        .await
+        .expect_err("server refused");
+    for e in [c, s] {
+        assert!(matches!(e, StreamError::Unsupported(_)), "{e}");
+    }
+}
