@@ -135,21 +135,33 @@ impl RecordKey {
         }
         out.push(typ);
         let len = plaintext + 1 + TAG_LEN;
-        let len16 = u16::try_from(len).map_err(|_| RecordError::Overflow(len))?;
+        let Ok(len16) = u16::try_from(len) else {
+            out.truncate(start);
+            return Err(RecordError::Overflow(len));
+        };
         out[start + 3..start + HEADER_LEN].copy_from_slice(&len16.to_be_bytes());
         let mut header = [0u8; HEADER_LEN];
         header.copy_from_slice(&out[start..start + HEADER_LEN]);
-        let nonce = self.next_nonce()?;
-        let tag = self
-            .key
-            .seal_in_place_separate_tag(
-                nonce,
-                aead::Aad::from(header),
-                &mut out[start + HEADER_LEN..],
-            )
-            .map_err(|_| RecordError::BadKey)?;
-        out.extend_from_slice(tag.as_ref());
-        Ok(())
+        // on any error nothing stays in `out`: it would go out unencrypted
+        let sealed = self.next_nonce().and_then(|nonce| {
+            self.key
+                .seal_in_place_separate_tag(
+                    nonce,
+                    aead::Aad::from(header),
+                    &mut out[start + HEADER_LEN..],
+                )
+                .map_err(|_| RecordError::BadKey)
+        });
+        match sealed {
+            Ok(tag) => {
+                out.extend_from_slice(tag.as_ref());
+                Ok(())
+            }
+            Err(e) => {
+                out.truncate(start);
+                Err(e)
+            }
+        }
     }
 
     /// Decrypts the one whole record in `record` (header included) in place. Returns its inner

@@ -9,7 +9,7 @@
 //!
 //! rustls keeps what it is good at: the handshake, certificate verification and the key schedule
 //! for KeyUpdate (RFC 8446 §4.6.3). This stream follows the peer's KeyUpdates, answers a burst of
-//! requests with one update, refuses more than 32 in a row, and updates its own send key before
+//! requests with one update, refuses more than 32 records without data in a row, and updates its own send key before
 //! the cipher suite's confidentiality limit. No alert is sent when a record fails: the connection
 //! is closed (the peer sees a close without close_notify).
 
@@ -45,8 +45,9 @@ const RECORD_OVERHEAD: usize = record::HEADER_LEN + 1 + 16;
 const MAX_HANDSHAKE_BUFFER: usize = 128 * 1024;
 /// Max size of a post-handshake message (NewSessionTicket, KeyUpdate).
 const MAX_POST_HANDSHAKE: usize = 64 * 1024;
-/// KeyUpdates a peer may send between two application-data records (as rustls and BoringSSL).
-const MAX_KEY_UPDATES_IN_A_ROW: u8 = 32;
+/// Records without application data (KeyUpdate, NewSessionTicket, user_canceled, empty data) a
+/// peer may send in a row; rustls and BoringSSL have similar limits.
+const MAX_EMPTY_RECORDS_IN_A_ROW: u8 = 32;
 /// Handshake message types (RFC 8446 §4).
 const NEW_SESSION_TICKET: u8 = 4;
 const KEY_UPDATE: u8 = 24;
@@ -230,13 +231,15 @@ where
             Ok(_) => return Err(StreamError::Unexpected("application data in the handshake")),
             Err(e) => {
                 incoming.advance(discard);
-                fed -= discard;
+                fed = fed.saturating_sub(discard);
                 send_alert(&mut conn, &mut incoming[..fed], &mut outgoing, &mut io).await;
                 return Err(e.into());
             }
         };
         incoming.advance(discard);
-        fed -= discard;
+        fed = fed.checked_sub(discard).ok_or(StreamError::Unexpected(
+            "handshake discard past the records given",
+        ))?;
         match step {
             Step::Process => {}
             Step::Transmit => {
@@ -276,6 +279,9 @@ async fn next_record<IO: AsyncRead + Unpin>(
     loop {
         if let Some(header) = incoming[fed..].first_chunk::<{ record::HEADER_LEN }>() {
             let len = record::HEADER_LEN + usize::from(u16::from_be_bytes([header[3], header[4]]));
+            if len > record::HEADER_LEN + record::MAX_CIPHERTEXT {
+                return Err(RecordError::Overflow(len - record::HEADER_LEN).into());
+            }
             if incoming.len() - fed >= len {
                 return Ok(len);
             }
@@ -318,7 +324,11 @@ async fn send_alert<C: Unbuffered, IO: AsyncWrite + Unpin>(
 ) {
     out.clear();
     // rustls tracks its position in the records it was given: it must see the same bytes again
-    while let Ok(ConnectionState::EncodeTlsData(mut enc)) = conn.process(fed).state {
+    // Only while something is queued: past that, rustls would process the failed record again.
+    while conn.wants_write() {
+        let Ok(ConnectionState::EncodeTlsData(mut enc)) = conn.process(fed).state else {
+            break;
+        };
         if encode(&mut enc, out).is_err() {
             break;
         }
@@ -363,10 +373,11 @@ pub struct TlsStream<IO> {
     read_closed: bool,
     close_sent: bool,
     /// A KeyUpdate request was answered and no application data was sent since: further
-    /// requests need no answer of their own (RFC 8446 §4.6.3).
+    /// requests need no answer of their own. RFC 8446 §4.6.3 asks for one answer to requests
+    /// that arrive while we send nothing; our answer's key has protected no data yet either.
     answered: bool,
-    /// KeyUpdates received since the last application-data record.
-    updates_in_a_row: u8,
+    /// Records without application data received in a row.
+    empty_in_a_row: u8,
     /// NewSessionTickets received (and ignored).
     tickets: u32,
     /// Key updates of the receive and the send direction.
@@ -421,7 +432,7 @@ impl<IO> TlsStream<IO> {
             read_closed: false,
             close_sent: false,
             answered: false,
-            updates_in_a_row: 0,
+            empty_in_a_row: 0,
             tickets: 0,
             rx_updates: 0,
             tx_updates: 0,
@@ -491,11 +502,19 @@ impl<IO> TlsStream<IO> {
         if typ != content::HANDSHAKE && !self.handshake.is_empty() {
             return Err(StreamError::Unexpected("record inside a handshake message"));
         }
-        match typ {
-            content::APPLICATION_DATA => {
-                self.plain = range;
-                self.updates_in_a_row = 0;
+        if typ != content::APPLICATION_DATA || range.is_empty() {
+            self.empty_in_a_row = self.empty_in_a_row.saturating_add(1);
+            if self.empty_in_a_row > MAX_EMPTY_RECORDS_IN_A_ROW {
+                return Err(StreamError::Unexpected("too many records without data"));
             }
+        }
+        match typ {
+            content::APPLICATION_DATA if !range.is_empty() => {
+                self.plain = range;
+                self.empty_in_a_row = 0;
+                return Ok(true);
+            }
+            content::APPLICATION_DATA => {}
             content::HANDSHAKE if range.is_empty() => {
                 return Err(StreamError::Unexpected("empty handshake record"));
             }
@@ -540,10 +559,6 @@ impl<IO> TlsStream<IO> {
                     let (seq, secrets) = self.kernel.update_rx()?;
                     self.rx = RecordKey::new(seq, secrets)?;
                     self.rx_updates = self.rx_updates.saturating_add(1);
-                    self.updates_in_a_row += 1;
-                    if self.updates_in_a_row > MAX_KEY_UPDATES_IN_A_ROW {
-                        return Err(StreamError::Unexpected("too many KeyUpdates"));
-                    }
                     // one answer per burst of requests, and none after our close_notify
                     if request == 1 && !self.answered && !self.close_sent {
                         self.send_key_update()?;
@@ -739,10 +754,11 @@ impl<IO: AsyncRead + AsyncWrite + Unpin> AsyncWrite for TlsStream<IO> {
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        if !this.close_sent {
+        // no close_notify after a failed read: the peer must not take the close for a clean one
+        if !this.close_sent && this.read_failed.is_none() {
             this.seal(content::ALERT, |o| o.extend_from_slice(&[1, CLOSE_NOTIFY]))?;
-            this.close_sent = true;
         }
+        this.close_sent = true;
         ready!(this.poll_drain(cx))?;
         Pin::new(&mut this.io).poll_shutdown(cx)
     }

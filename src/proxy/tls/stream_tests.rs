@@ -305,34 +305,52 @@ async fn a_rejected_peer_fails_both_handshakes() {
     assert!(matches!(s, StreamError::Tls(_)), "{s}");
 }
 
-/// A rustls client against our server; `drive` runs the client side (after its handshake).
-async fn against_rustls_client<F, Fut>(drive: F) -> TlsStream<DuplexStream>
-where
-    F: FnOnce(tokio_rustls::client::TlsStream<DuplexStream>) -> Fut,
-    Fut: Future<Output = ()>,
-{
-    let (c, s) = rustls_client_our_server().await;
-    within(drive(c)).await;
-    s
+#[tokio::test]
+async fn a_burst_of_key_update_requests_gets_one_answer_per_burst() {
+    let (mut c, mut s) = rustls_client_our_server().await;
+    within(async {
+        tokio::join!(
+            async {
+                c.write_all(b"a").await.expect("write");
+                for _ in 0..20 {
+                    c.get_mut().1.refresh_traffic_keys().expect("key update");
+                }
+                c.write_all(b"b").await.expect("write");
+                c.flush().await.expect("flush");
+                // our data comes under our answered key
+                let mut x = [0u8; 1];
+                c.read_exact(&mut x)
+                    .await
+                    .expect("reply after our KeyUpdate");
+                assert_eq!(&x, b"x");
+                for _ in 0..5 {
+                    c.get_mut().1.refresh_traffic_keys().expect("key update");
+                }
+                c.write_all(b"c").await.expect("write");
+                c.shutdown().await.expect("shutdown");
+            },
+            async {
+                let mut ab = [0u8; 2];
+                s.read_exact(&mut ab).await.expect("read");
+                assert_eq!(&ab, b"ab");
+                assert_eq!((s.rx_updates, s.tx_updates), (20, 1), "{s:?}");
+                s.write_all(b"x").await.expect("write");
+                s.flush().await.expect("flush");
+                assert_eq!(read_to_end(&mut s).await.expect("rest"), b"c");
+                // we sent data since the first answer: the second burst gets its own
+                assert_eq!((s.rx_updates, s.tx_updates), (25, 2), "{s:?}");
+            }
+        )
+    })
+    .await;
 }
 
 #[tokio::test]
-async fn a_burst_of_key_update_requests_gets_one_answer_and_a_flood_ends_the_stream() {
-    let mut s = against_rustls_client(|mut c| async move {
+async fn a_flood_of_records_without_data_ends_the_stream() {
+    let (mut c, mut s) = rustls_client_our_server().await;
+    within(async {
         c.write_all(b"a").await.expect("write");
-        for _ in 0..20 {
-            c.get_mut().1.refresh_traffic_keys().expect("key update");
-        }
-        c.write_all(b"b").await.expect("write");
-        c.shutdown().await.expect("shutdown");
-    })
-    .await;
-    assert_eq!(within(read_to_end(&mut s)).await.expect("read"), b"ab");
-    assert_eq!((s.rx_updates, s.tx_updates), (20, 1), "{s:?}");
-
-    let mut s = against_rustls_client(|mut c| async move {
-        c.write_all(b"a").await.expect("write");
-        for _ in 0..=MAX_KEY_UPDATES_IN_A_ROW {
+        for _ in 0..=MAX_EMPTY_RECORDS_IN_A_ROW {
             c.get_mut().1.refresh_traffic_keys().expect("key update");
         }
         c.write_all(b"b").await.expect("write");
@@ -342,7 +360,116 @@ async fn a_burst_of_key_update_requests_gets_one_answer_and_a_flood_ends_the_str
     let err = within(read_to_end(&mut s))
         .await
         .expect_err("flood refused");
-    assert!(err.to_string().contains("too many KeyUpdates"), "{err}");
+    assert!(
+        err.to_string().contains("too many records without data"),
+        "{err}"
+    );
+    // and no close_notify after the failure
+    within(s.shutdown()).await.expect("shutdown");
+    let mut rest = Vec::new();
+    let end = within(c.read_to_end(&mut rest)).await;
+    assert!(end.is_err(), "the peer must not see a clean close: {end:?}");
+}
+
+#[tokio::test]
+async fn handshake_messages_split_over_many_records_are_joined() {
+    let (client, server) = configs();
+    // tiny records on the rustls side: every handshake message spans several of them
+    let mut rustls_server = (*server).clone();
+    rustls_server.max_fragment_size = Some(64);
+    let (mut c, mut s) = our_client_rustls_server(client.clone(), Arc::new(rustls_server)).await;
+    within(async {
+        tokio::join!(
+            async { send_all(&mut c, b"over small records").await },
+            async {
+                let mut got = Vec::new();
+                s.read_to_end(&mut got).await.expect("read");
+                assert_eq!(got, b"over small records");
+            }
+        )
+    })
+    .await;
+    let mut rustls_client = (*client).clone();
+    rustls_client.max_fragment_size = Some(64);
+    let (c, s) = tokio::io::duplex(64 * 1024);
+    let (c, s) = within(async {
+        tokio::join!(
+            tokio_rustls::TlsConnector::from(Arc::new(rustls_client)).connect(name(), c),
+            accept(server, s)
+        )
+    })
+    .await;
+    let (mut c, mut s) = (c.expect("rustls client"), s.expect("our server"));
+    within(async {
+        tokio::join!(
+            async {
+                c.write_all(b"small").await.expect("write");
+                c.shutdown().await.expect("shutdown");
+            },
+            async { assert_eq!(read_to_end(&mut s).await.expect("read"), b"small") }
+        )
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_corrupted_handshake_record_fails_the_handshake_with_an_alert() {
+    let (client, server) = configs();
+    let (c, relay_c) = tokio::io::duplex(64 * 1024);
+    let (relay_s, s) = tokio::io::duplex(64 * 1024);
+    // client -> server: the first read is the ClientHello; flip the last byte of the next one
+    // (the end of the encrypted Finished)
+    let relay = async move {
+        let (mut cr, mut cw) = tokio::io::split(relay_c);
+        let (mut sr, mut sw) = tokio::io::split(relay_s);
+        let up = async {
+            let mut buf = vec![0u8; 64 * 1024];
+            let mut reads = 0;
+            loop {
+                let n = cr.read(&mut buf).await.unwrap_or(0);
+                if n == 0 {
+                    break;
+                }
+                reads += 1;
+                if reads == 2 {
+                    buf[n - 1] ^= 1;
+                }
+                if sw.write_all(&buf[..n]).await.is_err() {
+                    break;
+                }
+            }
+            let _ = sw.shutdown().await;
+        };
+        let down = async {
+            let _ = tokio::io::copy(&mut sr, &mut cw).await;
+            let _ = cw.shutdown().await;
+        };
+        tokio::join!(up, down);
+    };
+    let (_, c, s) = within(async {
+        tokio::join!(
+            relay,
+            async {
+                let c = tokio_rustls::TlsConnector::from(client)
+                    .connect(name(), c)
+                    .await;
+                // the client learns of the failure from our alert on its first read
+                match c {
+                    Ok(mut c) => {
+                        let mut b = [0u8; 1];
+                        c.read(&mut b).await.map(|_| ())
+                    }
+                    Err(e) => Err(e),
+                }
+            },
+            accept(server, s)
+        )
+    })
+    .await;
+    let s = s.expect_err("the server refuses the corrupted record");
+    assert!(matches!(s, StreamError::Tls(_)), "{s}");
+    let c = c.expect_err("the client sees the alert");
+    assert!(c.to_string().contains("BadRecordMac"), "{c}");
 }
 
 #[tokio::test]
@@ -381,8 +508,11 @@ async fn records_after_the_clients_finished_in_the_same_read_reach_the_stream() 
             }
             let n = c.read(&mut buf).await.expect("read");
             assert!(n > 0, "server closed");
-            tls.read_tls(&mut &buf[..n]).expect("read_tls");
-            tls.process_new_packets().expect("process");
+            let mut rd = &buf[..n];
+            while !rd.is_empty() {
+                tls.read_tls(&mut rd).expect("read_tls");
+                tls.process_new_packets().expect("process");
+            }
         }
         // Finished is queued: add a KeyUpdate request and data, and send all in one write
         tls.refresh_traffic_keys().expect("key update");
@@ -396,8 +526,11 @@ async fn records_after_the_clients_finished_in_the_same_read_reach_the_stream() 
         while got.len() < 5 {
             let n = c.read(&mut buf).await.expect("read");
             assert!(n > 0, "server closed");
-            tls.read_tls(&mut &buf[..n]).expect("read_tls");
-            tls.process_new_packets().expect("reply decrypts");
+            let mut rd = &buf[..n];
+            while !rd.is_empty() {
+                tls.read_tls(&mut rd).expect("read_tls");
+                tls.process_new_packets().expect("reply decrypts");
+            }
             let mut chunk = [0u8; 64];
             while let Ok(k) = std::io::Read::read(&mut tls.reader(), &mut chunk) {
                 if k == 0 {
