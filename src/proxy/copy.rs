@@ -12,9 +12,8 @@ use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
 use bytes::{Buf, Bytes, BytesMut};
-use futures::FutureExt;
 use h2::{RecvStream, SendStream};
-use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 
@@ -68,34 +67,12 @@ fn is_clean_reset(e: &h2::Error) -> bool {
     )
 }
 
-/// Waits until `reader` is readable, then reads into a fresh buffer of the direction's current
-/// [`ReadSize`] (updated here). `None` at EOF. The buffer exists only while data flows: when the
-/// read cannot complete at once the buffer is dropped, the task yields and the wait starts again.
-///
-/// The read goes through `AsyncRead::poll_read`, which clears the socket's readiness when it
-/// returns less than asked: the next call then waits for epoll instead of trying a `recv` that
-/// would only say EAGAIN.
-async fn read_chunk(
-    reader: &mut OwnedReadHalf,
+/// Reads the next chunk of `reader` as [`poll_read_chunk`] does. `None` at EOF.
+async fn read_chunk<R: ReadReady>(
+    reader: &mut R,
     size: &mut ReadSize,
 ) -> io::Result<Option<BytesMut>> {
-    loop {
-        reader.readable().await?;
-        let mut buf = BytesMut::with_capacity(size.0);
-        let cap = buf.capacity();
-        match reader.read_buf(&mut buf).now_or_never() {
-            // Stale readiness, or tokio's cooperative budget is spent (then the read says Pending
-            // while `readable()` still says ready): give the task back to the scheduler, which
-            // also refills the budget, instead of spinning.
-            None => tokio::task::yield_now().await,
-            Some(Ok(0)) => return Ok(None),
-            Some(Ok(n)) => {
-                size.update(n, cap);
-                return Ok(Some(buf));
-            }
-            Some(Err(e)) => return Err(e),
-        }
-    }
+    std::future::poll_fn(|cx| poll_read_chunk(reader, size, cx)).await
 }
 
 /// Copies `reader` into `writer` until EOF, then half-closes `writer`; buffers only while data flows.
@@ -275,19 +252,41 @@ impl H2Relay {
     }
 }
 
-/// Like [`read_chunk`], as a poll: waits for readiness without a buffer, then reads into a fresh
-/// one of the current [`ReadSize`]. `None` at EOF.
-fn poll_read_chunk(
-    tcp: &mut TcpStream,
+/// A TCP read side whose readiness can be awaited without a buffer.
+trait ReadReady: AsyncRead + Unpin {
+    fn poll_read_ready(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>>;
+}
+
+impl ReadReady for TcpStream {
+    fn poll_read_ready(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        TcpStream::poll_read_ready(self, cx)
+    }
+}
+
+impl ReadReady for OwnedReadHalf {
+    fn poll_read_ready(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.as_ref().poll_read_ready(cx)
+    }
+}
+
+/// Waits until `reader` is readable, then reads into a fresh buffer of the direction's current
+/// [`ReadSize`] (updated here). `None` at EOF. The buffer exists only while data flows: on stale
+/// readiness `poll_read` clears it, registers the waker and the buffer is dropped. Waiting for
+/// readiness spends tokio's cooperative budget, so a spent budget yields instead of spinning.
+///
+/// The read goes through `AsyncRead::poll_read`, which clears the socket's readiness when it
+/// returns less than asked: the next call then waits for epoll instead of trying a `recv` that
+/// would only say EAGAIN.
+fn poll_read_chunk<R: ReadReady>(
+    reader: &mut R,
     size: &mut ReadSize,
     cx: &mut Context<'_>,
 ) -> Poll<io::Result<Option<BytesMut>>> {
-    ready!(tcp.poll_read_ready(cx))?;
+    ready!(reader.poll_read_ready(cx))?;
     let mut buf = BytesMut::with_capacity(size.0);
     let cap = buf.capacity();
-    // Stale readiness: poll_read cleared it and registered the waker; the buffer is dropped.
     let n = ready!(tokio_util::io::poll_read_buf(
-        Pin::new(&mut *tcp),
+        Pin::new(&mut *reader),
         cx,
         &mut buf
     ))?;
