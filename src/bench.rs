@@ -98,6 +98,21 @@ fn rss_kib(pid: u32) -> anyhow::Result<u64> {
         .context("no VmRSS")
 }
 
+/// CPU time (user + system) the process `pid` has used, seconds (`/proc/<pid>/stat` fields 14
+/// and 15, in clock ticks).
+fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // fields after the command name, which is in parentheses and may hold spaces
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).context("no comm")?;
+    let mut fields = rest.split_whitespace().skip(11);
+    let mut tick = || -> anyhow::Result<u64> { Ok(fields.next().context("short stat")?.parse()?) };
+    let ticks = tick()? + tick()?;
+    let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)?
+        .filter(|&hz| hz > 0)
+        .context("no CLK_TCK")?;
+    Ok(ticks as f64 / hz as f64)
+}
+
 fn settle_rss(pid: u32) -> anyhow::Result<u64> {
     std::thread::sleep(Duration::from_millis(1500));
     rss_kib(pid)
@@ -206,13 +221,29 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
     let mut values: Vec<Value> = Vec::new();
     if wants(Section::Throughput) {
         for streams in [1usize, 8] {
-            let direct = iperf(&d_client, &d_server, streams, secs)?;
-            let mesh_v = iperf(&m_client, &m_server, streams, secs)?;
+            let (direct, _) = iperf(&d_client, &d_server, streams, secs)?;
+            let cpu_before = cpu_seconds(pid)?;
+            let (mesh_v, mesh_bytes) = iperf(&m_client, &m_server, streams, secs)?;
+            let cpu = cpu_seconds(pid)? - cpu_before;
             rows.push(Row::new(
                 format!("throughput {streams} stream(s)"),
                 "Gbit/s",
                 direct,
                 mesh_v,
+            ));
+            values.push(Value::new(
+                &format!("ztnode CPU per GB, {streams} stream(s) (ms)"),
+                if streams == 1 {
+                    "cpu_ms_per_gb_1_stream"
+                } else {
+                    "cpu_ms_per_gb_8_streams"
+                },
+                if mesh_bytes > 0.0 {
+                    cpu * 1e3 / (mesh_bytes / 1e9)
+                } else {
+                    0.0
+                },
+                0,
             ));
         }
     }
@@ -429,7 +460,8 @@ impl Row {
     }
 }
 
-fn iperf(client: &Pod, server: &Pod, streams: usize, secs: u64) -> anyhow::Result<f64> {
+/// Runs iperf3 from `client` to `server`; returns Gbit/s and the bytes received.
+fn iperf(client: &Pod, server: &Pod, streams: usize, secs: u64) -> anyhow::Result<(f64, f64)> {
     let port = "5201";
     let srv = Command::new("ip")
         .args([
@@ -463,10 +495,10 @@ fn iperf(client: &Pod, server: &Pod, streams: usize, secs: u64) -> anyhow::Resul
         .args(["-t", &secs.to_string(), "-P", &streams.to_string()])
         .output()?;
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("iperf3 JSON")?;
-    let bps = v["end"]["sum_received"]["bits_per_second"]
-        .as_f64()
-        .context("iperf3 result")?;
-    Ok(bps / 1e9)
+    let sum = &v["end"]["sum_received"];
+    let bps = sum["bits_per_second"].as_f64().context("iperf3 result")?;
+    let bytes = sum["bytes"].as_f64().context("iperf3 result")?;
+    Ok((bps / 1e9, bytes))
 }
 
 fn echo_server(

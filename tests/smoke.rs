@@ -106,6 +106,9 @@ fn bench_reports_every_figure() {
         );
     }
     assert!(v["rss_idle_pods_mib"].as_f64().is_some_and(|x| x > 0.0));
+    for key in ["cpu_ms_per_gb_1_stream", "cpu_ms_per_gb_8_streams"] {
+        assert!(v[key].as_f64().is_some_and(|x| x > 0.0), "{key}: {v}");
+    }
     assert!(v["per_idle_conn_kib"].as_f64().is_some());
     assert!(v["added_rtt_p99_us"].as_f64().is_some());
     assert_eq!(v["cni_add_samples"].as_u64(), Some(2));

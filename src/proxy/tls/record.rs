@@ -168,17 +168,44 @@ impl RecordKey {
     /// content type and where its plaintext now is, relative to `record`.
     ///
     /// # Errors
-    /// [`RecordError::BadMac`], [`RecordError::NoContentType`], [`RecordError::Overflow`] for an
-    /// inner plaintext (padding included) over 2^14 + 1 bytes, [`RecordError::SeqExhausted`].
+    /// As [`RecordKey::open_within`].
     pub fn open(&mut self, record: &mut [u8]) -> Result<(u8, Range<usize>), RecordError> {
-        let Some((header, body)) = record.split_first_chunk_mut::<HEADER_LEN>() else {
+        self.open_within(record, 0, HEADER_LEN)
+    }
+
+    /// Decrypts the whole record that starts at `buf[at..]` and fills the rest of `buf`, writing
+    /// its plaintext from `buf[dst..]` on (`dst <= at + HEADER_LEN`; the decryption moves the
+    /// bytes as it goes, so records read back to back are compacted without a copy). Returns the
+    /// inner content type and the plaintext's range in `buf`.
+    ///
+    /// # Errors
+    /// [`RecordError::BadMac`] (also for a record shorter than its header and tag, or a `dst`
+    /// past the ciphertext), [`RecordError::NoContentType`], [`RecordError::Overflow`] for an
+    /// inner plaintext (padding included) over 2^14 + 1 bytes, [`RecordError::SeqExhausted`].
+    pub fn open_within(
+        &mut self,
+        buf: &mut [u8],
+        at: usize,
+        dst: usize,
+    ) -> Result<(u8, Range<usize>), RecordError> {
+        let header: [u8; HEADER_LEN] = buf
+            .get(at..)
+            .and_then(|r| r.first_chunk::<HEADER_LEN>())
+            .copied()
+            .ok_or(RecordError::BadMac)?;
+        let body = at + HEADER_LEN;
+        if dst > body {
             return Err(RecordError::BadMac);
-        };
-        let aad = aead::Aad::from(*header);
+        }
         let nonce = self.next_nonce()?;
         let plain = self
             .key
-            .open_in_place(nonce, aad, body)
+            .open_within(
+                nonce,
+                aead::Aad::from(header),
+                &mut buf[dst..],
+                body - dst..,
+            )
             .map_err(|_| RecordError::BadMac)?;
         // TLSInnerPlaintext, padding included, is at most 2^14 + 1 bytes (§5.2, §5.4)
         if plain.len() > MAX_PLAINTEXT + 1 {
@@ -187,7 +214,7 @@ impl RecordKey {
         let Some(typ_at) = plain.iter().rposition(|&b| b != 0) else {
             return Err(RecordError::NoContentType);
         };
-        Ok((plain[typ_at], HEADER_LEN..HEADER_LEN + typ_at))
+        Ok((plain[typ_at], dst..dst + typ_at))
     }
 }
 
@@ -334,5 +361,38 @@ mod tests {
         );
         assert_eq!(out, [1, 2, 3]);
         assert_eq!(tx.seq(), 0);
+    }
+
+    #[test]
+    fn records_opened_within_one_buffer_are_compacted_in_order() {
+        let (mut tx, mut rx) = pair();
+        let mut buf = Vec::new();
+        for chunk in [&b"first "[..], b"second ", b"third"] {
+            tx.seal(content::APPLICATION_DATA, &mut buf, |o| {
+                o.extend_from_slice(chunk)
+            })
+            .expect("seal");
+        }
+        let mut at = 0;
+        let mut dst = 0;
+        while at < buf.len() {
+            let len = record_len(&buf[at..]).expect("len").expect("header");
+            let (typ, range) = rx.open_within(&mut buf[..at + len], at, dst).expect("open");
+            assert_eq!((typ, range.start), (content::APPLICATION_DATA, dst));
+            at += len;
+            dst = range.end;
+        }
+        assert_eq!(&buf[..dst], b"first second third");
+        // a destination past the record's body is refused before any decryption
+        let mut one = Vec::new();
+        tx.seal(content::APPLICATION_DATA, &mut one, |o| {
+            o.extend_from_slice(b"x")
+        })
+        .expect("seal");
+        assert_eq!(
+            rx.open_within(&mut one, 0, HEADER_LEN + 1),
+            Err(RecordError::BadMac)
+        );
+        assert_eq!(rx.seq(), 3);
     }
 }

@@ -4,8 +4,10 @@
 //!
 //! Why not rustls' buffered stream: it reads the socket 4 KiB at a time and copies every received
 //! record twice (into its plaintext queue, then out to the reader) plus allocates per record.
-//! Here a received record is decrypted where it was read and copied once into the caller's
-//! buffer; a sent record is built in one copy and many go out per `write`.
+//! Here a read with room (h2 reserves a whole frame) goes straight into the caller's buffer and
+//! its records are decrypted there, the plaintext compacted as it is decrypted: no copy; smaller
+//! reads go through a receive buffer and are copied once. A sent record is built in one copy and
+//! many go out per `write`.
 //!
 //! rustls keeps what it is good at: the handshake, certificate verification and the key schedule
 //! for KeyUpdate (RFC 8446 §4.6.3). This stream follows the peer's KeyUpdates, answers a burst of
@@ -34,6 +36,9 @@ use super::record::{self, RecordError, RecordKey, content};
 
 /// Target size of the receive buffer: several records per `read`.
 const READ_BUFFER: usize = 64 * 1024;
+/// Free room in the caller's buffer from which a read goes there directly
+/// ([`TlsStream::poll_read_direct`]) instead of through the receive buffer.
+const DIRECT_READ_MIN: usize = 32 * 1024;
 /// Max plaintext per batch of sealed records (16 full records). One batch is in flight while the
 /// next is sealed, so up to twice this is buffered per connection; a writer waits when both are
 /// full.
@@ -341,8 +346,9 @@ async fn send_alert<C: Unbuffered, IO: AsyncWrite + Unpin>(
 
 /// A TLS 1.3 connection after its handshake: `AsyncRead`/`AsyncWrite` of the application data.
 ///
-/// Reads decrypt whole records in the receive buffer (64 KiB, released while the socket is
-/// idle) and copy their plaintext out; writes seal up to 16 KiB per record into batches of up to
+/// Reads of at least 32 KiB of room decrypt in the caller's buffer; smaller ones decrypt whole
+/// records in the receive buffer (64 KiB, released while the socket is idle) and copy their
+/// plaintext out. Writes seal up to 16 KiB per record into batches of up to
 /// 256 KiB of plaintext, one being sent while the next fills (both released once sent).
 /// `poll_shutdown` sends close_notify. A peer's NewSessionTicket is ignored (resumption is off),
 /// KeyUpdate is followed (and answered when requested, except after our close_notify), alerts
@@ -383,6 +389,8 @@ pub struct TlsStream<IO> {
     /// Key updates of the receive and the send direction.
     rx_updates: u32,
     tx_updates: u32,
+    /// Reads that went straight into the caller's buffer ([`TlsStream::poll_read_direct`]).
+    direct_reads: u64,
     /// A read error, returned again on later reads.
     read_failed: Option<(io::ErrorKind, String)>,
     peer_certificates: Option<Vec<CertificateDer<'static>>>,
@@ -396,6 +404,7 @@ impl<IO> std::fmt::Debug for TlsStream<IO> {
             .field("tx", &self.tx)
             .field("rx_updates", &self.rx_updates)
             .field("tx_updates", &self.tx_updates)
+            .field("direct_reads", &self.direct_reads)
             .field("read_closed", &self.read_closed)
             .field("close_sent", &self.close_sent)
             .finish_non_exhaustive()
@@ -436,6 +445,7 @@ impl<IO> TlsStream<IO> {
             tickets: 0,
             rx_updates: 0,
             tx_updates: 0,
+            direct_reads: 0,
             read_failed: None,
             peer_certificates,
             alpn,
@@ -499,41 +509,129 @@ impl<IO> TlsStream<IO> {
         let (typ, range) = self.rx.open(&mut self.rbuf[at..at + len])?;
         self.rpos += len;
         let range = at + range.start..at + range.end;
+        // `on_record` may grow the other fields; the buffer is only read
+        let rbuf = std::mem::take(&mut self.rbuf);
+        let opened = self.on_record(typ, &rbuf[range.clone()]);
+        self.rbuf = rbuf;
+        if opened? {
+            self.plain = range;
+        }
+        Ok(true)
+    }
+
+    /// Handles one decrypted record of inner type `typ`. Returns whether it carries application
+    /// data (the caller delivers `plain`); post-handshake messages and alerts are acted on here.
+    fn on_record(&mut self, typ: u8, plain: &[u8]) -> Result<bool, StreamError> {
         if typ != content::HANDSHAKE && !self.handshake.is_empty() {
             return Err(StreamError::Unexpected("record inside a handshake message"));
         }
-        if typ != content::APPLICATION_DATA || range.is_empty() {
+        if typ != content::APPLICATION_DATA || plain.is_empty() {
             self.empty_in_a_row = self.empty_in_a_row.saturating_add(1);
             if self.empty_in_a_row > MAX_EMPTY_RECORDS_IN_A_ROW {
                 return Err(StreamError::Unexpected("too many records without data"));
             }
         }
         match typ {
-            content::APPLICATION_DATA if !range.is_empty() => {
-                self.plain = range;
+            content::APPLICATION_DATA if !plain.is_empty() => {
                 self.empty_in_a_row = 0;
                 return Ok(true);
             }
             content::APPLICATION_DATA => {}
-            content::HANDSHAKE if range.is_empty() => {
+            content::HANDSHAKE if plain.is_empty() => {
                 return Err(StreamError::Unexpected("empty handshake record"));
             }
             content::HANDSHAKE => {
-                if self.handshake.len() + range.len() > MAX_POST_HANDSHAKE + 4 {
+                if self.handshake.len() + plain.len() > MAX_POST_HANDSHAKE + 4 {
                     return Err(StreamError::HandshakeTooLarge(MAX_POST_HANDSHAKE));
                 }
-                self.handshake.extend_from_slice(&self.rbuf[range]);
+                self.handshake.extend_from_slice(plain);
                 self.on_handshake()?;
             }
-            content::ALERT => match self.rbuf[range] {
+            content::ALERT => match plain {
                 [_, CLOSE_NOTIFY] => self.read_closed = true,
                 [_, USER_CANCELED] => {}
-                [_, desc] => return Err(StreamError::Alert(desc)),
+                [_, desc] => return Err(StreamError::Alert(*desc)),
                 _ => return Err(StreamError::Unexpected("malformed alert")),
             },
             _ => return Err(StreamError::Unexpected("record content type")),
         }
-        Ok(true)
+        Ok(false)
+    }
+
+    /// Reads the socket straight into the caller's buffer and decrypts the records there,
+    /// compacting their plaintext to the front ([`RecordKey::open_within`]): bulk data is not
+    /// copied again. The partial record held in `rbuf` goes first; the one a read ends inside goes
+    /// back to `rbuf`. Only called when `rbuf` holds no whole record and no plaintext. Returns
+    /// the bytes read from the socket (`Ready(Ok(0))`: end of stream, `rbuf` as before).
+    fn poll_read_direct(
+        &mut self,
+        cx: &mut Context<'_>,
+        out: &mut ReadBuf<'_>,
+    ) -> Poll<Result<usize, StreamError>>
+    where
+        IO: AsyncRead + Unpin,
+    {
+        let base = out.filled().len();
+        out.put_slice(&self.rbuf[self.rpos..]);
+        let held = out.filled().len() - base;
+        self.rbuf.clear();
+        self.rpos = 0;
+        self.plain = 0..0;
+        let read = Pin::new(&mut self.io).poll_read(cx, out);
+        let n = out.filled().len() - base - held;
+        if !matches!(read, Poll::Ready(Ok(()))) || n == 0 {
+            // nothing new: the held bytes go back
+            if held == 0 {
+                self.rbuf = BytesMut::new();
+            } else {
+                self.rbuf
+                    .extend_from_slice(&out.filled()[base..base + held]);
+            }
+            out.set_filled(base);
+            return match read {
+                Poll::Ready(Ok(())) => Poll::Ready(Ok(0)),
+                Poll::Ready(Err(e)) => Poll::Ready(Err(e.into())),
+                Poll::Pending => Poll::Pending,
+            };
+        }
+        self.direct_reads += 1;
+        let buf = out.filled_mut();
+        let end = buf.len();
+        let mut at = base;
+        let mut dst = base;
+        let mut failed = None;
+        while !self.read_closed {
+            let len = match record::record_len(&buf[at..end]) {
+                Ok(Some(len)) if end - at >= len => len,
+                Ok(_) => break,
+                Err(e) => {
+                    failed = Some(e.into());
+                    break;
+                }
+            };
+            let opened = self
+                .rx
+                .open_within(&mut buf[..at + len], at, dst)
+                .map_err(StreamError::from)
+                .and_then(|(typ, range)| Ok((self.on_record(typ, &buf[range.clone()])?, range)));
+            match opened {
+                Ok((true, range)) => dst = range.end,
+                Ok((false, _)) => {}
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
+            at += len;
+        }
+        if failed.is_none() && !self.read_closed {
+            self.rbuf.extend_from_slice(&buf[at..end]);
+        }
+        out.set_filled(dst);
+        match failed {
+            Some(e) => Poll::Ready(Err(e)),
+            None => Poll::Ready(Ok(n)),
+        }
     }
 
     /// Handles the whole post-handshake messages buffered in `self.handshake`.
@@ -680,7 +778,30 @@ impl<IO: AsyncRead + AsyncWrite + Unpin> AsyncRead for TlsStream<IO> {
             if out.filled().len() > start {
                 return Poll::Ready(Ok(()));
             }
-            if ready!(this.poll_fill(cx))? == 0 {
+            let held = this.rbuf.len() - this.rpos;
+            let filled = if this.handshake.is_empty()
+                && out.remaining().saturating_sub(held) >= DIRECT_READ_MIN
+            {
+                match ready!(this.poll_read_direct(cx, out)) {
+                    Ok(n) => {
+                        if !this.wnext.is_empty() {
+                            // a KeyUpdate answer: start sending it (errors: as above)
+                            let _ = this.poll_drain(cx);
+                        }
+                        n
+                    }
+                    Err(e) => {
+                        let e = this.read_error(e);
+                        if out.filled().len() > start {
+                            return Poll::Ready(Ok(()));
+                        }
+                        return Poll::Ready(Err(e));
+                    }
+                }
+            } else {
+                ready!(this.poll_fill(cx))?
+            };
+            if filled == 0 {
                 let why = if this.rbuf.is_empty() {
                     "peer closed the connection without close_notify"
                 } else {

@@ -108,6 +108,18 @@ async fn read_to_end<R: AsyncRead + Unpin>(r: &mut R) -> io::Result<Vec<u8>> {
     Ok(got)
 }
 
+/// Reads to close_notify with a fixed 256 KiB buffer: room for reads into the caller's buffer.
+async fn read_large<R: AsyncRead + Unpin>(r: &mut R) -> io::Result<Vec<u8>> {
+    let mut got = Vec::new();
+    let mut buf = vec![0u8; 256 * 1024];
+    loop {
+        match r.read(&mut buf).await? {
+            0 => return Ok(got),
+            n => got.extend_from_slice(&buf[..n]),
+        }
+    }
+}
+
 #[tokio::test]
 async fn our_ends_carry_data_both_ways_and_close_with_close_notify() {
     let (mut c, mut s) = ours().await;
@@ -125,7 +137,7 @@ async fn our_ends_carry_data_both_ways_and_close_with_close_notify() {
                     .expect("client reads to close_notify")
             },
             async {
-                let got = read_to_end(&mut s)
+                let got = read_large(&mut s)
                     .await
                     .expect("server reads to close_notify");
                 send_all(&mut s, &down).await;
@@ -216,6 +228,57 @@ async fn our_server_follows_a_rustls_client_with_key_updates() {
         )
     })
     .await;
+}
+
+#[tokio::test]
+async fn large_reads_decrypt_in_the_callers_buffer_across_a_key_update() {
+    let (mut c, mut s) = rustls_client_our_server().await;
+    let data = payload(2 * 1024 * 1024 + 77);
+    within(async {
+        tokio::join!(
+            async {
+                c.write_all(&data[..300_000]).await.expect("write");
+                c.get_mut().1.refresh_traffic_keys().expect("key update");
+                c.write_all(&data[300_000..]).await.expect("write");
+                c.shutdown().await.expect("shutdown");
+                let mut echo = Vec::new();
+                c.read_to_end(&mut echo).await.expect("echo");
+                assert!(echo == b"done");
+            },
+            async {
+                let got = read_large(&mut s).await.expect("read to close_notify");
+                assert!(got == data, "{} of {} bytes", got.len(), data.len());
+                // the 64 KiB pipe ends reads inside records: their tails were carried over
+                assert!(s.direct_reads > 10, "{s:?}");
+                assert_eq!((s.rx_updates, s.tx_updates), (1, 1), "{s:?}");
+                send_all(&mut s, b"done").await;
+            }
+        )
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_tampered_record_fails_a_large_read_after_the_good_ones() {
+    let (mut c, mut s) = ours().await;
+    c.write_all(b"good").await.expect("write");
+    c.flush().await.expect("flush");
+    c.write_all(&[7u8; 100]).await.expect("write");
+    c.flush().await.expect("flush");
+    let mut raw = vec![0u8; (5 + 4 + 1 + 16) + (5 + 100 + 1 + 16)];
+    within(s.io.read_exact(&mut raw))
+        .await
+        .expect("raw records");
+    raw[60] ^= 1;
+    c.io.write_all(&raw).await.expect("resend");
+    let mut buf = vec![0u8; 64 * 1024];
+    let n = within(s.read(&mut buf)).await.expect("good record");
+    assert_eq!(&buf[..n], b"good");
+    assert_eq!(s.direct_reads, 1, "{s:?}");
+    let err = within(s.read(&mut buf)).await.expect_err("tampered");
+    assert!(err.to_string().contains("authentication"), "{err}");
+    let again = within(s.read(&mut buf)).await.expect_err("still failed");
+    assert_eq!(again.to_string(), err.to_string());
 }
 
 #[tokio::test]
