@@ -12,8 +12,8 @@
 //! rustls keeps what it is good at: the handshake, certificate verification and the key schedule
 //! for KeyUpdate (RFC 8446 §4.6.3). This stream follows the peer's KeyUpdates, answers a burst of
 //! requests with one update, refuses more than 32 records without data in a row, and updates its own send key before
-//! the cipher suite's confidentiality limit. No alert is sent when a record fails: the connection
-//! is closed (the peer sees a close without close_notify).
+//! the cipher suite's confidentiality limit. A record that fails (authentication, length, type)
+//! gets the fatal alert RFC 8446 §6.2 names, and nothing more is sent.
 
 use std::io::{self, IoSlice};
 use std::ops::{DerefMut, Range};
@@ -21,7 +21,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
-use bytes::{Buf, BytesMut};
+use bytes::{Buf, BufMut, BytesMut};
 use rustls::client::{ClientConnectionData, UnbufferedClientConnection};
 use rustls::kernel::KernelConnection;
 use rustls::server::{ServerConnectionData, UnbufferedServerConnection};
@@ -58,7 +58,31 @@ const NEW_SESSION_TICKET: u8 = 4;
 const KEY_UPDATE: u8 = 24;
 /// Alert descriptions (RFC 8446 §6).
 const CLOSE_NOTIFY: u8 = 0;
+const UNEXPECTED_MESSAGE: u8 = 10;
+const BAD_RECORD_MAC: u8 = 20;
+const RECORD_OVERFLOW: u8 = 22;
+const INTERNAL_ERROR: u8 = 80;
 const USER_CANCELED: u8 = 90;
+
+/// The fatal alert a read failing with `e` sends (RFC 8446 §5.2, §6.2): none for socket errors,
+/// a peer that closed or the peer's own alert.
+fn fatal_alert(e: &StreamError) -> Option<u8> {
+    match e {
+        StreamError::Record(RecordError::BadMac) => Some(BAD_RECORD_MAC),
+        StreamError::Record(RecordError::Overflow(_)) => Some(RECORD_OVERFLOW),
+        StreamError::Record(RecordError::OuterType(_) | RecordError::NoContentType)
+        | StreamError::Unexpected(_)
+        | StreamError::HandshakeTooLarge(_) => Some(UNEXPECTED_MESSAGE),
+        StreamError::Record(
+            RecordError::SeqExhausted | RecordError::BadKey | RecordError::UnsupportedSuite,
+        )
+        | StreamError::Tls(_) => Some(INTERNAL_ERROR),
+        StreamError::Io(_)
+        | StreamError::ClosedInHandshake
+        | StreamError::Alert(_)
+        | StreamError::Unsupported(_) => None,
+    }
+}
 
 /// Errors of the handshake and of the record stream. Read and write errors reach the caller as
 /// `io::Error`s: socket errors as they are, a peer that closed without close_notify as
@@ -560,9 +584,10 @@ impl<IO> TlsStream<IO> {
 
     /// Reads the socket straight into the caller's buffer and decrypts the records there,
     /// compacting their plaintext to the front ([`RecordKey::open_within`]): bulk data is not
-    /// copied again. The partial record held in `rbuf` goes first; the one a read ends inside goes
-    /// back to `rbuf`. Only called when `rbuf` holds no whole record and no plaintext. Returns
-    /// the bytes read from the socket (`Ready(Ok(0))`: end of stream, `rbuf` as before).
+    /// copied again. Only called on a record boundary (`rbuf` empty); the record a read ends
+    /// inside goes to `rbuf`. Returns the bytes read from the socket (`Ready(Ok(0))`: end of
+    /// stream). Past the filled part, the caller's buffer may hold ciphertext and the plaintext
+    /// of records other than data (all of it authenticated).
     fn poll_read_direct(
         &mut self,
         cx: &mut Context<'_>,
@@ -571,22 +596,15 @@ impl<IO> TlsStream<IO> {
     where
         IO: AsyncRead + Unpin,
     {
-        let base = out.filled().len();
-        out.put_slice(&self.rbuf[self.rpos..]);
-        let held = out.filled().len() - base;
+        debug_assert!(self.rbuf.len() == self.rpos);
         self.rbuf.clear();
         self.rpos = 0;
         self.plain = 0..0;
+        let base = out.filled().len();
         let read = Pin::new(&mut self.io).poll_read(cx, out);
-        let n = out.filled().len() - base - held;
+        let n = out.filled().len() - base;
         if !matches!(read, Poll::Ready(Ok(()))) || n == 0 {
-            // nothing new: the held bytes go back
-            if held == 0 {
-                self.rbuf = BytesMut::new();
-            } else {
-                self.rbuf
-                    .extend_from_slice(&out.filled()[base..base + held]);
-            }
+            self.rbuf = BytesMut::new();
             out.set_filled(base);
             return match read {
                 Poll::Ready(Ok(())) => Poll::Ready(Ok(0)),
@@ -624,7 +642,10 @@ impl<IO> TlsStream<IO> {
             }
             at += len;
         }
-        if failed.is_none() && !self.read_closed {
+        if failed.is_none() && !self.read_closed && at < end {
+            // room for the whole record, so finishing it does not regrow the buffer
+            self.rbuf
+                .reserve(record::HEADER_LEN + record::MAX_CIPHERTEXT);
             self.rbuf.extend_from_slice(&buf[at..end]);
         }
         out.set_filled(dst);
@@ -673,8 +694,9 @@ impl<IO> TlsStream<IO> {
         Ok(())
     }
 
-    /// Reads more bytes from the socket into `rbuf`. `Ready(Ok(0))` is end of stream.
-    fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>>
+    /// Reads at most `limit` more bytes from the socket into `rbuf`. `Ready(Ok(0))` is end of
+    /// stream.
+    fn poll_fill(&mut self, cx: &mut Context<'_>, limit: usize) -> Poll<io::Result<usize>>
     where
         IO: AsyncRead + Unpin,
     {
@@ -683,10 +705,12 @@ impl<IO> TlsStream<IO> {
         self.rpos = 0;
         self.plain = 0..0;
         let partial = self.rbuf.len();
-        if self.rbuf.capacity() - partial < record::MAX_CIPHERTEXT {
-            self.rbuf.reserve(READ_BUFFER - partial);
+        let room = limit.min(record::HEADER_LEN + record::MAX_CIPHERTEXT);
+        if self.rbuf.capacity() - partial < room {
+            self.rbuf.reserve(READ_BUFFER.max(partial + room) - partial);
         }
-        match tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.rbuf) {
+        let mut room = (&mut self.rbuf).limit(limit);
+        match tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut room) {
             Poll::Pending => {
                 if self.rbuf.is_empty() {
                     self.rbuf = BytesMut::new();
@@ -723,7 +747,27 @@ impl<IO> TlsStream<IO> {
         }
     }
 
-    fn read_error(&mut self, e: StreamError) -> io::Error {
+    /// Records a failed read (returned again by later reads) and, for a protocol error, sends
+    /// the fatal alert RFC 8446 §6.2 names for it (best effort) in place of any further data.
+    fn read_error(&mut self, cx: &mut Context<'_>, e: StreamError) -> io::Error
+    where
+        IO: AsyncWrite + Unpin,
+    {
+        if let Some(desc) = fatal_alert(&e)
+            && !self.close_sent
+        {
+            self.close_sent = true;
+            if self
+                .tx
+                .seal(content::ALERT, &mut self.wnext, |o| {
+                    o.extend_from_slice(&[2, desc])
+                })
+                .is_ok()
+            {
+                // errors: the connection is failing anyway
+                let _ = self.poll_drain(cx);
+            }
+        }
         let e = io::Error::from(e);
         self.read_failed = Some((e.kind(), e.to_string()));
         e
@@ -768,7 +812,7 @@ impl<IO: AsyncRead + AsyncWrite + Unpin> AsyncRead for TlsStream<IO> {
                 }
                 Ok(false) => {}
                 Err(e) => {
-                    let e = this.read_error(e);
+                    let e = this.read_error(cx, e);
                     if out.filled().len() > start {
                         return Poll::Ready(Ok(()));
                     }
@@ -779,9 +823,8 @@ impl<IO: AsyncRead + AsyncWrite + Unpin> AsyncRead for TlsStream<IO> {
                 return Poll::Ready(Ok(()));
             }
             let held = this.rbuf.len() - this.rpos;
-            let filled = if this.handshake.is_empty()
-                && out.remaining().saturating_sub(held) >= DIRECT_READ_MIN
-            {
+            let direct = this.handshake.is_empty() && out.remaining() >= DIRECT_READ_MIN;
+            let filled = if direct && held == 0 {
                 match ready!(this.poll_read_direct(cx, out)) {
                     Ok(n) => {
                         if !this.wnext.is_empty() {
@@ -790,16 +833,25 @@ impl<IO: AsyncRead + AsyncWrite + Unpin> AsyncRead for TlsStream<IO> {
                         }
                         n
                     }
+                    // socket errors are returned as they are, like `poll_fill`'s
+                    Err(StreamError::Io(e)) => return Poll::Ready(Err(e)),
                     Err(e) => {
-                        let e = this.read_error(e);
+                        let e = this.read_error(cx, e);
                         if out.filled().len() > start {
                             return Poll::Ready(Ok(()));
                         }
                         return Poll::Ready(Err(e));
                     }
                 }
+            } else if direct {
+                // finish the partial record alone, so the next read starts on a boundary
+                let missing = match record::record_len(&this.rbuf[this.rpos..]) {
+                    Ok(Some(len)) => len.saturating_sub(held),
+                    _ => record::HEADER_LEN.saturating_sub(held),
+                };
+                ready!(this.poll_fill(cx, missing.max(1)))?
             } else {
-                ready!(this.poll_fill(cx))?
+                ready!(this.poll_fill(cx, usize::MAX))?
             };
             if filled == 0 {
                 let why = if this.rbuf.is_empty() {

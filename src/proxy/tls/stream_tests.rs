@@ -110,8 +110,13 @@ async fn read_to_end<R: AsyncRead + Unpin>(r: &mut R) -> io::Result<Vec<u8>> {
 
 /// Reads to close_notify with a fixed 256 KiB buffer: room for reads into the caller's buffer.
 async fn read_large<R: AsyncRead + Unpin>(r: &mut R) -> io::Result<Vec<u8>> {
+    read_with(r, 256 * 1024).await
+}
+
+/// Reads to close_notify with a fixed buffer of `size` bytes.
+async fn read_with<R: AsyncRead + Unpin>(r: &mut R, size: usize) -> io::Result<Vec<u8>> {
     let mut got = Vec::new();
-    let mut buf = vec![0u8; 256 * 1024];
+    let mut buf = vec![0u8; size];
     loop {
         match r.read(&mut buf).await? {
             0 => return Ok(got),
@@ -122,6 +127,13 @@ async fn read_large<R: AsyncRead + Unpin>(r: &mut R) -> io::Result<Vec<u8>> {
 
 #[tokio::test]
 async fn our_ends_carry_data_both_ways_and_close_with_close_notify() {
+    // the server reads into a large buffer (decrypting there), then into a small one
+    for size in [256 * 1024, 4096] {
+        both_ways(size).await;
+    }
+}
+
+async fn both_ways(read_size: usize) {
     let (mut c, mut s) = ours().await;
     assert_eq!(c.alpn_protocol(), Some(&b"h2"[..]));
     let chain = s.peer_certificates().expect("client chain");
@@ -137,7 +149,7 @@ async fn our_ends_carry_data_both_ways_and_close_with_close_notify() {
                     .expect("client reads to close_notify")
             },
             async {
-                let got = read_large(&mut s)
+                let got = read_with(&mut s, read_size)
                     .await
                     .expect("server reads to close_notify");
                 send_all(&mut s, &down).await;
@@ -154,6 +166,7 @@ async fn our_ends_carry_data_both_ways_and_close_with_close_notify() {
     );
     // both batches were sent and released
     assert!(c.wbuf.capacity() == 0 && c.wnext.capacity() == 0);
+    assert_eq!(s.direct_reads > 0, read_size > DIRECT_READ_MIN, "{s:?}");
 }
 
 #[tokio::test]
@@ -327,29 +340,174 @@ async fn a_tampered_record_fails_the_read_for_good() {
     assert!(err.to_string().contains("authentication"), "{err}");
     let again = within(s.read(&mut four)).await.expect_err("still failed");
     assert_eq!(again.to_string(), err.to_string());
+    // the peer learns why: bad_record_mac, and nothing more is sent
+    let alert = within(c.read(&mut four)).await.expect_err("alert");
+    assert!(alert.to_string().contains("alert 20"), "{alert}");
+    assert_eq!(
+        s.write(b"more").await.expect_err("closed").kind(),
+        io::ErrorKind::BrokenPipe
+    );
 }
 
 #[tokio::test]
-async fn oversized_and_foreign_records_are_rejected() {
-    for (header, want) in [
-        ([23u8, 3, 3, 0x41, 0x01], "exceeds"),
-        ([22u8, 3, 3, 0, 10], "type 22"),
-    ] {
-        let (mut c, mut s) = ours().await;
-        c.io.write_all(&header).await.expect("raw header");
-        let mut buf = [0u8; 8];
-        let err = within(s.read(&mut buf)).await.expect_err("rejected");
-        assert!(err.to_string().contains(want), "{err}");
+async fn oversized_and_foreign_records_are_rejected_with_an_alert() {
+    for size in [8, 64 * 1024] {
+        for (header, want, alert) in [
+            ([23u8, 3, 3, 0x41, 0x01], "exceeds", "alert 22"),
+            ([22u8, 3, 3, 0, 10], "type 22", "alert 10"),
+        ] {
+            let (mut c, mut s) = ours().await;
+            c.io.write_all(&header).await.expect("raw header");
+            let mut buf = vec![0u8; size];
+            let err = within(s.read(&mut buf)).await.expect_err("rejected");
+            assert!(err.to_string().contains(want), "{size}: {err}");
+            let err = within(c.read(&mut buf)).await.expect_err("alert");
+            assert!(err.to_string().contains(alert), "{size}: {err}");
+        }
     }
 }
 
 #[tokio::test]
+async fn a_rustls_client_gets_bad_record_mac_for_a_forged_record() {
+    let (mut c, mut s) = rustls_client_our_server().await;
+    // a record rustls did not seal, written under it
+    let mut forged = vec![23u8, 3, 3, 0, 40];
+    forged.extend_from_slice(&[0x55; 40]);
+    c.get_mut()
+        .0
+        .write_all(&forged)
+        .await
+        .expect("forged record");
+    let mut buf = vec![0u8; 64 * 1024];
+    let err = within(s.read(&mut buf)).await.expect_err("forged");
+    assert!(err.to_string().contains("authentication"), "{err}");
+    let err = within(c.read(&mut buf)).await.expect_err("alert at rustls");
+    assert!(err.to_string().contains("BadRecordMac"), "{err}");
+}
+
+#[tokio::test]
 async fn truncation_without_close_notify_is_an_error() {
-    let (c, mut s) = ours().await;
-    drop(c);
-    let mut buf = [0u8; 8];
-    let err = within(s.read(&mut buf)).await.expect_err("truncated");
-    assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof);
+    for size in [8, 64 * 1024] {
+        let (c, mut s) = ours().await;
+        drop(c);
+        let mut buf = vec![0u8; size];
+        let err = within(s.read(&mut buf)).await.expect_err("truncated");
+        assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof);
+        assert!(err.to_string().contains("without close_notify"), "{err}");
+        // a close inside a record
+        let (mut c, mut s) = ours().await;
+        c.io.write_all(&[23, 3, 3, 0, 100, 1, 2, 3])
+            .await
+            .expect("raw");
+        drop(c);
+        let err = within(s.read(&mut buf)).await.expect_err("truncated");
+        assert!(
+            err.to_string().contains("inside a TLS record"),
+            "{size}: {err}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_record_split_across_reads_is_finished_before_reading_direct_again() {
+    let (mut c, mut s) = ours().await;
+    c.write_all(&payload(5000)).await.expect("write");
+    c.flush().await.expect("flush");
+    let mut raw = vec![0u8; 5 + 5000 + 1 + 16];
+    within(s.io.read_exact(&mut raw)).await.expect("raw record");
+    c.io.write_all(&raw[..1000]).await.expect("first part");
+    let mut buf = vec![0u8; 64 * 1024];
+    let early = tokio::time::timeout(Duration::from_millis(50), s.read(&mut buf)).await;
+    assert!(
+        early.is_err(),
+        "no data before the record is whole: {early:?}"
+    );
+    assert_eq!(s.rbuf.len(), 1000, "the partial record is held");
+    // the rest of the record and a whole one after it, in one write
+    let more = payload(20_000);
+    c.write_all(&more).await.expect("write");
+    c.flush().await.expect("flush");
+    let mut tail = vec![0u8; 2 * (5 + 1 + 16) + 20_000];
+    within(s.io.read_exact(&mut tail))
+        .await
+        .expect("raw records");
+    let mut rest = raw[1000..].to_vec();
+    rest.extend_from_slice(&tail);
+    c.io.write_all(&rest).await.expect("rest");
+    // the held record is finished alone (a read bounded to its missing bytes) ...
+    let n = within(s.read(&mut buf)).await.expect("first record");
+    assert!(buf[..n] == payload(5000)[..], "{n}");
+    assert_eq!(s.direct_reads, 1, "{s:?}");
+    // ... so the next read starts on a boundary and decrypts in the caller's buffer
+    let mut got = Vec::new();
+    while got.len() < more.len() {
+        let n = within(s.read(&mut buf)).await.expect("more");
+        got.extend_from_slice(&buf[..n]);
+    }
+    assert!(got == more);
+    assert!(s.direct_reads >= 2, "{s:?}");
+}
+
+/// A transport whose next read fails once with `Interrupted`.
+struct Flaky {
+    io: DuplexStream,
+    fail_next: bool,
+}
+
+impl AsyncRead for Flaky {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        if std::mem::take(&mut self.fail_next) {
+            return Poll::Ready(Err(io::ErrorKind::Interrupted.into()));
+        }
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Flaky {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+#[tokio::test]
+async fn a_socket_error_is_returned_as_it_is_and_not_kept() {
+    let (client, server) = configs();
+    let (c, s) = tokio::io::duplex(64 * 1024);
+    let s = Flaky {
+        io: s,
+        fail_next: false,
+    };
+    let (c, s) =
+        within(async { tokio::join!(connect(client, name(), c), accept(server, s)) }).await;
+    let (mut c, mut s) = (c.expect("client"), s.expect("server"));
+    c.write_all(b"after").await.expect("write");
+    c.flush().await.expect("flush");
+    for size in [8, 64 * 1024] {
+        s.io.fail_next = true;
+        let mut buf = vec![0u8; size];
+        let err = within(s.read(&mut buf)).await.expect_err("interrupted");
+        assert_eq!(err.kind(), io::ErrorKind::Interrupted, "{size}");
+    }
+    // one `read` (not `read_exact`, which would retry a kept `Interrupted` forever)
+    let mut got = [0u8; 64];
+    let n = within(s.read(&mut got))
+        .await
+        .expect("read after the error");
+    assert_eq!(&got[..n], b"after");
 }
 
 #[tokio::test]
