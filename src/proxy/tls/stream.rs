@@ -61,6 +61,8 @@ const CLOSE_NOTIFY: u8 = 0;
 const UNEXPECTED_MESSAGE: u8 = 10;
 const BAD_RECORD_MAC: u8 = 20;
 const RECORD_OVERFLOW: u8 = 22;
+const ILLEGAL_PARAMETER: u8 = 47;
+const DECODE_ERROR: u8 = 50;
 const INTERNAL_ERROR: u8 = 80;
 const USER_CANCELED: u8 = 90;
 
@@ -73,6 +75,8 @@ fn fatal_alert(e: &StreamError) -> Option<u8> {
         StreamError::Record(RecordError::OuterType(_) | RecordError::NoContentType)
         | StreamError::Unexpected(_)
         | StreamError::HandshakeTooLarge(_) => Some(UNEXPECTED_MESSAGE),
+        StreamError::Malformed(_) => Some(DECODE_ERROR),
+        StreamError::IllegalParameter(_) => Some(ILLEGAL_PARAMETER),
         StreamError::Record(
             RecordError::SeqExhausted | RecordError::BadKey | RecordError::UnsupportedSuite,
         )
@@ -107,6 +111,12 @@ pub enum StreamError {
     /// A record or handshake message that is not allowed after the handshake.
     #[error("unexpected TLS message: {0}")]
     Unexpected(&'static str),
+    /// A message that does not parse (`decode_error`).
+    #[error("malformed TLS message: {0}")]
+    Malformed(&'static str),
+    /// A field with a value the protocol does not allow (`illegal_parameter`).
+    #[error("illegal TLS parameter: {0}")]
+    IllegalParameter(&'static str),
     /// The config or the negotiated protocol is one this stream does not run.
     #[error("TLS stream needs {0}")]
     Unsupported(&'static str),
@@ -512,11 +522,13 @@ impl<IO> TlsStream<IO> {
 
     /// Sends KeyUpdate(update_not_requested) under the current key, then switches to the next.
     fn send_key_update(&mut self) -> Result<(), StreamError> {
+        // the next key first: if that fails, nothing announces a key the peer would switch to
+        let (seq, secrets) = self.kernel.update_tx()?;
+        let next = RecordKey::new(seq, secrets)?;
         self.tx.seal(content::HANDSHAKE, &mut self.wnext, |o| {
             o.extend_from_slice(&[KEY_UPDATE, 0, 0, 1, 0]);
         })?;
-        let (seq, secrets) = self.kernel.update_tx()?;
-        self.tx = RecordKey::new(seq, secrets)?;
+        self.tx = next;
         self.tx_updates = self.tx_updates.saturating_add(1);
         Ok(())
     }
@@ -575,7 +587,7 @@ impl<IO> TlsStream<IO> {
                 [_, CLOSE_NOTIFY] => self.read_closed = true,
                 [_, USER_CANCELED] => {}
                 [_, desc] => return Err(StreamError::Alert(*desc)),
-                _ => return Err(StreamError::Unexpected("malformed alert")),
+                _ => return Err(StreamError::Malformed("alert")),
             },
             _ => return Err(StreamError::Unexpected("record content type")),
         }
@@ -684,6 +696,10 @@ impl<IO> TlsStream<IO> {
                         self.answered = true;
                     }
                 }
+                (KEY_UPDATE, [_]) => {
+                    return Err(StreamError::IllegalParameter("KeyUpdate request"));
+                }
+                (KEY_UPDATE, _) => return Err(StreamError::Malformed("KeyUpdate")),
                 _ => return Err(StreamError::Unexpected("post-handshake message")),
             }
             self.handshake.drain(..4 + len);
@@ -700,6 +716,8 @@ impl<IO> TlsStream<IO> {
     where
         IO: AsyncRead + Unpin,
     {
+        // a read of 0 bytes would look like end of stream
+        debug_assert!(limit > 0);
         // Only called with no plaintext pending: everything before `rpos` can go.
         self.rbuf.advance(self.rpos);
         self.rpos = 0;
@@ -753,6 +771,10 @@ impl<IO> TlsStream<IO> {
     where
         IO: AsyncWrite + Unpin,
     {
+        // after a fatal alert either way, nothing more is sent (RFC 8446 §6.2)
+        if matches!(e, StreamError::Alert(_)) {
+            self.close_sent = true;
+        }
         if let Some(desc) = fatal_alert(&e)
             && !self.close_sent
         {

@@ -589,7 +589,8 @@ async fn a_flood_of_records_without_data_ends_the_stream() {
     within(s.shutdown()).await.expect("shutdown");
     let mut rest = Vec::new();
     let end = within(c.read_to_end(&mut rest)).await;
-    assert!(end.is_err(), "the peer must not see a clean close: {end:?}");
+    let err = end.expect_err("the peer must not see a clean close");
+    assert!(err.to_string().contains("UnexpectedMessage"), "{err}");
 }
 
 #[tokio::test]
@@ -792,4 +793,70 @@ async fn a_config_without_secret_extraction_is_refused_before_the_handshake() {
     for e in [c, s] {
         assert!(matches!(e, StreamError::Unsupported(_)), "{e}");
     }
+}
+
+#[tokio::test]
+async fn a_peer_alert_gets_no_alert_back_and_ends_our_writes() {
+    let (mut c, mut s) = ours().await;
+    // a fatal handshake_failure (40) from the client
+    c.seal(content::ALERT, |o| o.extend_from_slice(&[2, 40]))
+        .expect("seal");
+    within(c.flush()).await.expect("flush");
+    let mut buf = vec![0u8; 64 * 1024];
+    let err = within(s.read(&mut buf)).await.expect_err("alert");
+    assert!(err.to_string().contains("alert 40"), "{err}");
+    assert!(s.wnext.is_empty() && s.wbuf.is_empty(), "{s:?}");
+    let w = s.write(b"x").await.expect_err("no writes after an alert");
+    assert_eq!(w.kind(), io::ErrorKind::BrokenPipe);
+    // nothing was sent: the client sees only the close
+    within(s.shutdown()).await.expect("shutdown");
+    let err = within(c.read(&mut buf)).await.expect_err("closed");
+    assert!(err.to_string().contains("without close_notify"), "{err}");
+}
+
+#[tokio::test]
+async fn key_update_with_an_illegal_request_or_length_gets_its_alert() {
+    for (body, alert) in [
+        (&[KEY_UPDATE, 0, 0, 1, 2][..], "alert 47"),
+        (&[KEY_UPDATE, 0, 0, 2, 0, 0][..], "alert 50"),
+    ] {
+        let (mut c, mut s) = ours().await;
+        c.seal(content::HANDSHAKE, |o| o.extend_from_slice(body))
+            .expect("seal");
+        within(c.flush()).await.expect("flush");
+        let mut buf = vec![0u8; 64 * 1024];
+        within(s.read(&mut buf)).await.expect_err("refused");
+        let err = within(c.read(&mut buf)).await.expect_err("alert");
+        assert!(err.to_string().contains(alert), "{err}");
+    }
+}
+
+#[tokio::test]
+async fn a_record_header_split_across_reads_is_joined() {
+    let (mut c, mut s) = ours().await;
+    c.write_all(b"split header").await.expect("write");
+    c.flush().await.expect("flush");
+    let mut raw = vec![0u8; 5 + 12 + 1 + 16];
+    within(s.io.read_exact(&mut raw)).await.expect("raw record");
+    c.io.write_all(&raw[..3]).await.expect("three header bytes");
+    let mut buf = vec![0u8; 64 * 1024];
+    let early = tokio::time::timeout(Duration::from_millis(50), s.read(&mut buf)).await;
+    assert!(early.is_err(), "no data yet: {early:?}");
+    c.io.write_all(&raw[3..]).await.expect("the rest");
+    let n = within(s.read(&mut buf)).await.expect("record");
+    assert_eq!(&buf[..n], b"split header");
+}
+
+#[tokio::test]
+async fn no_alert_after_our_close_notify() {
+    let (mut c, mut s) = ours().await;
+    within(s.shutdown()).await.expect("close_notify");
+    let mut forged = vec![23u8, 3, 3, 0, 40];
+    forged.extend_from_slice(&[0x55; 40]);
+    c.io.write_all(&forged).await.expect("forged record");
+    let mut buf = vec![0u8; 64 * 1024];
+    within(s.read(&mut buf)).await.expect_err("forged");
+    // the client sees the clean close and nothing after it
+    assert_eq!(within(c.read(&mut buf)).await.expect("close_notify"), 0);
+    assert!(s.wnext.is_empty() && s.wbuf.is_empty(), "{s:?}");
 }
