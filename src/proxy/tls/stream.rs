@@ -598,8 +598,8 @@ impl<IO> TlsStream<IO> {
     /// compacting their plaintext to the front ([`RecordKey::open_within`]): bulk data is not
     /// copied again. Only called on a record boundary (`rbuf` empty); the record a read ends
     /// inside goes to `rbuf`. Returns the bytes read from the socket (`Ready(Ok(0))`: end of
-    /// stream). Past the filled part, the caller's buffer may hold ciphertext and the plaintext
-    /// of records other than data (all of it authenticated).
+    /// stream). Past the filled part, the caller's buffer may hold ciphertext and the decrypted
+    /// bodies of records other than data (KeyUpdate, NewSessionTicket).
     fn poll_read_direct(
         &mut self,
         cx: &mut Context<'_>,
