@@ -253,14 +253,19 @@ mod tests {
         )
     }
 
+    /// Appends one application_data record of `plain` to `out`.
+    fn seal_data(tx: &mut RecordKey, out: &mut Vec<u8>, plain: &[u8]) {
+        tx.seal(content::APPLICATION_DATA, out, |o| {
+            o.extend_from_slice(plain)
+        })
+        .expect("seal");
+    }
+
     #[test]
     fn sealed_records_open_with_type_and_plaintext() {
         let (mut tx, mut rx) = pair();
         let mut out = Vec::new();
-        tx.seal(content::APPLICATION_DATA, &mut out, |o| {
-            o.extend_from_slice(b"hello")
-        })
-        .expect("seal");
+        seal_data(&mut tx, &mut out, b"hello");
         tx.seal(content::ALERT, &mut out, |o| o.extend_from_slice(&[1, 0]))
             .expect("seal");
         let first = record_len(&out).expect("len").expect("whole header");
@@ -278,15 +283,9 @@ mod tests {
     fn a_flipped_bit_or_a_reordered_record_fails_authentication() {
         let (mut tx, mut rx) = pair();
         let mut one = Vec::new();
-        tx.seal(content::APPLICATION_DATA, &mut one, |o| {
-            o.extend_from_slice(b"one")
-        })
-        .expect("seal");
+        seal_data(&mut tx, &mut one, b"one");
         let mut two = Vec::new();
-        tx.seal(content::APPLICATION_DATA, &mut two, |o| {
-            o.extend_from_slice(b"two")
-        })
-        .expect("seal");
+        seal_data(&mut tx, &mut two, b"two");
         // record two under sequence number 0
         assert_eq!(rx.open(&mut two.clone()), Err(RecordError::BadMac));
         let (_, mut rx) = pair();
@@ -368,10 +367,7 @@ mod tests {
         let (mut tx, mut rx) = pair();
         let mut buf = Vec::new();
         for chunk in [&b"first "[..], b"second ", b"third"] {
-            tx.seal(content::APPLICATION_DATA, &mut buf, |o| {
-                o.extend_from_slice(chunk)
-            })
-            .expect("seal");
+            seal_data(&mut tx, &mut buf, chunk);
         }
         let mut at = 0;
         let mut dst = 0;
@@ -385,10 +381,7 @@ mod tests {
         assert_eq!(&buf[..dst], b"first second third");
         // a destination past the record's body is refused before any decryption
         let mut one = Vec::new();
-        tx.seal(content::APPLICATION_DATA, &mut one, |o| {
-            o.extend_from_slice(b"x")
-        })
-        .expect("seal");
+        seal_data(&mut tx, &mut one, b"x");
         assert_eq!(
             rx.open_within(&mut one, 0, HEADER_LEN + 1),
             Err(RecordError::BadMac)

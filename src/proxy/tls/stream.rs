@@ -780,10 +780,7 @@ impl<IO> TlsStream<IO> {
         {
             self.close_sent = true;
             if self
-                .tx
-                .seal(content::ALERT, &mut self.wnext, |o| {
-                    o.extend_from_slice(&[2, desc])
-                })
+                .seal(content::ALERT, |o| o.extend_from_slice(&[2, desc]))
                 .is_ok()
             {
                 // errors: the connection is failing anyway

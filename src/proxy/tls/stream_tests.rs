@@ -215,6 +215,20 @@ async fn our_client_follows_a_rustls_server_with_tickets_and_key_updates() {
     .await;
 }
 
+/// The rustls client sends `data` with a KeyUpdate request after `at` bytes, closes (close_notify)
+/// and returns what the server sends back before its own close_notify.
+async fn send_with_a_key_update(c: &mut RustlsClient, data: &[u8], at: usize) -> Vec<u8> {
+    c.write_all(&data[..at]).await.expect("write");
+    c.get_mut().1.refresh_traffic_keys().expect("key update");
+    c.write_all(&data[at..]).await.expect("write");
+    c.shutdown().await.expect("shutdown");
+    let mut echo = Vec::new();
+    c.read_to_end(&mut echo)
+        .await
+        .expect("echo to close_notify");
+    echo
+}
+
 #[tokio::test]
 async fn our_server_follows_a_rustls_client_with_key_updates() {
     let (mut c, mut s) = rustls_client_our_server().await;
@@ -222,14 +236,7 @@ async fn our_server_follows_a_rustls_client_with_key_updates() {
     within(async {
         tokio::join!(
             async {
-                c.write_all(&data[..1000]).await.expect("write");
-                c.get_mut().1.refresh_traffic_keys().expect("key update");
-                c.write_all(&data[1000..]).await.expect("write");
-                c.shutdown().await.expect("shutdown");
-                let mut echo = Vec::new();
-                c.read_to_end(&mut echo)
-                    .await
-                    .expect("echo to close_notify");
+                let echo = send_with_a_key_update(&mut c, &data, 1000).await;
                 assert!(echo == data);
             },
             async {
@@ -250,12 +257,7 @@ async fn large_reads_decrypt_in_the_callers_buffer_across_a_key_update() {
     within(async {
         tokio::join!(
             async {
-                c.write_all(&data[..300_000]).await.expect("write");
-                c.get_mut().1.refresh_traffic_keys().expect("key update");
-                c.write_all(&data[300_000..]).await.expect("write");
-                c.shutdown().await.expect("shutdown");
-                let mut echo = Vec::new();
-                c.read_to_end(&mut echo).await.expect("echo");
+                let echo = send_with_a_key_update(&mut c, &data, 300_000).await;
                 assert!(echo == b"done");
             },
             async {
