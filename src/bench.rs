@@ -248,25 +248,23 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
         }
     }
     if wants(Section::Latency) {
-        let lat = latency(
-            &d_client,
-            &d_server,
-            &m_client,
-            &m_server,
-            opts.round_trips,
-            7100,
-            None,
-        )?;
-        let one_cpu = latency(
-            &d_client,
-            &d_server,
-            &m_client,
-            &m_server,
-            opts.round_trips,
-            7110,
-            Some(pid),
-        )?;
-        for (what, l, key) in [("", &lat, ""), (", one CPU", &one_cpu, "_one_cpu")] {
+        let mut placements = vec![Placement::Free, Placement::OneCpu];
+        match PollingIdle::hold() {
+            Ok(guard) => {
+                drop(guard);
+                placements.push(Placement::PollingIdle);
+            }
+            Err(e) => eprintln!("bench: {e:#}; the polling-idle latency rows are left out"),
+        }
+        for (i, placement) in placements.into_iter().enumerate() {
+            let l = latency(
+                [&d_client, &d_server, &m_client, &m_server],
+                opts.round_trips,
+                7100 + 10 * i as u16,
+                placement,
+                pid,
+            )?;
+            let (what, key) = placement.label();
             rows.push(Row::new(
                 format!("1 KiB round trip p50{what}"),
                 "µs",
@@ -281,21 +279,13 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
             ));
             values.push(Value::new(
                 &format!("added RTT p50{what} (µs)"),
-                if key.is_empty() {
-                    "added_rtt_p50_us"
-                } else {
-                    "added_rtt_p50_one_cpu_us"
-                },
+                &format!("added_rtt_p50{key}_us"),
                 l.mesh_p50 - l.direct_p50,
                 2,
             ));
             values.push(Value::new(
                 &format!("added RTT p99{what} (µs)"),
-                if key.is_empty() {
-                    "added_rtt_p99_us"
-                } else {
-                    "added_rtt_p99_one_cpu_us"
-                },
+                &format!("added_rtt_p99{key}_us"),
                 l.mesh_p99 - l.direct_p99,
                 2,
             ));
@@ -379,18 +369,18 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
         secs, opts.round_trips
     );
     println!(
-        "{:<32} {:>12} {:>12} {:>10}",
+        "{:<40} {:>12} {:>12} {:>10}",
         "figure", "direct", "ztnode", "ratio"
     );
     for r in &rows {
         println!(
-            "{:<32} {:>12.2} {:>12.2} {:>9.2}x  {}",
+            "{:<40} {:>12.2} {:>12.2} {:>9.2}x  {}",
             r.name, r.direct, r.mesh, r.ratio, r.unit
         );
     }
     for v in &values {
         println!(
-            "{:<32} {:>12} {:>12.prec$} {:>10}",
+            "{:<40} {:>12} {:>12.prec$} {:>10}",
             v.label,
             "",
             v.value,
@@ -408,7 +398,7 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
         "figures": rows.iter().map(|r| json!({"name": r.name, "unit": r.unit, "direct": r.direct, "ztnode": r.mesh, "ratio": r.ratio})).collect::<Vec<_>>(),
     });
     for v in &values {
-        report[v.key] = json!(v.value);
+        report[v.key.as_str()] = json!(v.value);
     }
     std::fs::write(&opts.json, serde_json::to_vec_pretty(&report)?)?;
     println!("\nJSON written to {}", opts.json.display());
@@ -423,16 +413,16 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
 /// One single-valued figure: table label, JSON key, value, printed decimals.
 struct Value {
     label: String,
-    key: &'static str,
+    key: String,
     value: f64,
     precision: usize,
 }
 
 impl Value {
-    fn new(label: &str, key: &'static str, value: f64, precision: usize) -> Value {
+    fn new(label: &str, key: &str, value: f64, precision: usize) -> Value {
         Value {
             label: label.to_owned(),
-            key,
+            key: key.to_owned(),
             value,
             precision,
         }
@@ -621,20 +611,68 @@ struct Latency {
     mesh_p99: f64,
 }
 
-/// 1 KiB round trips on one kept connection per path. The two paths alternate sample by sample, so
-/// both see the same machine (CPU wake-up latency on this VM moves the direct p50 by tens of µs
-/// between runs; measuring the paths one after the other would put that drift into the difference).
+/// Where the latency measurement runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Placement {
+    /// Wherever the scheduler puts the threads (both CPUs).
+    Free,
+    /// The node, the client and the echo server all on one CPU ([`OneCpu`]).
+    OneCpu,
+    /// Both CPUs, with idle CPUs polling instead of halting ([`PollingIdle`]).
+    PollingIdle,
+}
+
+impl Placement {
+    /// Row suffix and JSON key infix.
+    fn label(self) -> (&'static str, &'static str) {
+        match self {
+            Placement::Free => ("", ""),
+            Placement::OneCpu => (", one CPU", "_one_cpu"),
+            Placement::PollingIdle => (", idle CPUs polling", "_polling_idle"),
+        }
+    }
+}
+
+/// Holds a PM QoS CPU latency request of 0 µs (`/dev/cpu_dma_latency`, kernel
+/// `Documentation/power/pm_qos_interface.rst`) until dropped: idle CPUs poll instead of halting,
+/// so a wake-up on another CPU costs no halt exit. The request ends when the file is closed.
+/// This shows how much of the two-CPU round trip is the machine's wake-up cost rather than the
+/// proxy's work; it changes nothing else and needs root.
+struct PollingIdle {
+    _request: std::fs::File,
+}
+
+impl PollingIdle {
+    fn hold() -> anyhow::Result<PollingIdle> {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/cpu_dma_latency")
+            .context("opening /dev/cpu_dma_latency")?;
+        f.write_all(&0i32.to_ne_bytes())
+            .context("writing /dev/cpu_dma_latency")?;
+        Ok(PollingIdle { _request: f })
+    }
+}
+
+/// 1 KiB round trips on one kept connection per path (`pods`: direct client, direct server, mesh
+/// client, mesh server). The two paths alternate sample by sample, so both see the same machine
+/// (CPU wake-up latency on this VM moves the direct p50 by tens of µs between runs; measuring the
+/// paths one after the other would put that drift into the difference).
 fn latency(
-    d_client: &Pod,
-    d_server: &Pod,
-    m_client: &Pod,
-    m_server: &Pod,
+    pods: [&Pod; 4],
     n: usize,
     port: u16,
-    pin_node: Option<u32>,
+    placement: Placement,
+    node_pid: u32,
 ) -> anyhow::Result<Latency> {
+    let [d_client, d_server, m_client, m_server] = pods;
     // Pinned before the echo servers start, so their threads inherit the one CPU.
-    let _pinned = pin_node.map(OneCpu::pin).transpose()?;
+    let _pinned = (placement == Placement::OneCpu)
+        .then(|| OneCpu::pin(node_pid))
+        .transpose()?;
+    let _polling = (placement == Placement::PollingIdle)
+        .then(PollingIdle::hold)
+        .transpose()?;
     let (d_addr, d_handle) = echo_server(d_server, port, false)?;
     let (m_addr, m_handle) = echo_server(m_server, port, false)?;
     let d_ns = Netns::open(&d_client.netns_path)?;

@@ -127,10 +127,18 @@ fn bench_only_runs_the_selected_sections() {
             "1 KiB round trip p50",
             "1 KiB round trip p99",
             "1 KiB round trip p50, one CPU",
-            "1 KiB round trip p99, one CPU"
+            "1 KiB round trip p99, one CPU",
+            "1 KiB round trip p50, idle CPUs polling",
+            "1 KiB round trip p99, idle CPUs polling"
         ]
     );
-    assert!(v["added_rtt_p50_one_cpu_us"].as_f64().is_some(), "{v}");
+    for key in [
+        "added_rtt_p50_us",
+        "added_rtt_p50_one_cpu_us",
+        "added_rtt_p99_polling_idle_us",
+    ] {
+        assert!(v[key].as_f64().is_some(), "{key}: {v}");
+    }
     assert!(v["per_idle_conn_kib"].is_null(), "{v}");
     assert_eq!(v["cni_add_samples"].as_u64(), Some(0));
 }
