@@ -15,4 +15,5 @@ pub mod pods;
 pub mod pool;
 pub mod socket;
 pub mod state;
+pub mod task;
 pub mod tls;

@@ -260,21 +260,52 @@ impl ConnectionLog {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::sync::{Arc, Mutex};
 
     use super::*;
 
-    fn addr(s: &str) -> SocketAddr {
+    pub(crate) fn addr(s: &str) -> SocketAddr {
         s.parse().expect("addr")
     }
 
-    fn counter(text: &str, name: &str, reporter: &str) -> u64 {
+    /// The value of counter `name` for `reporter` in rendered metrics `text`.
+    pub(crate) fn counter(text: &str, name: &str, reporter: &str) -> u64 {
         let prefix = format!("{name}{{reporter=\"{reporter}\",request_protocol=\"tcp\"}} ");
         text.lines()
             .find_map(|l| l.strip_prefix(&prefix))
             .and_then(|v| v.parse().ok())
             .unwrap_or_else(|| panic!("no {prefix} in {text}"))
+    }
+
+    /// Asserts both reporters' byte counters: `received` in the request direction, `sent` in the
+    /// response direction (the flipped convention of the module docs).
+    pub(crate) fn assert_byte_counters(text: &str, received: u64, sent: u64) {
+        for reporter in ["source", "destination"] {
+            assert_eq!(
+                counter(text, "istio_tcp_received_bytes_total", reporter),
+                received,
+                "{reporter}: received = request direction\n{text}"
+            );
+            assert_eq!(
+                counter(text, "istio_tcp_sent_bytes_total", reporter),
+                sent,
+                "{reporter}: sent = response direction\n{text}"
+            );
+        }
+    }
+
+    /// Runs `f` with the fmt subscriber writing into a buffer; returns `f`'s result and the text.
+    pub(crate) fn capture_logs<R>(f: impl FnOnce() -> R) -> (R, String) {
+        let buf = Buf::default();
+        let writer = buf.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .finish();
+        let r = tracing::subscriber::with_default(subscriber, f);
+        let logs = String::from_utf8(buf.0.lock().expect("buf").clone()).expect("utf8");
+        (r, logs)
     }
 
     #[test]
@@ -328,13 +359,7 @@ mod tests {
     #[test]
     fn both_reporters_agree_on_flipped_byte_counters_and_logs_stay_unflipped() {
         let m = Metrics::default();
-        let buf = Buf::default();
-        let writer = buf.clone();
-        let subscriber = tracing_subscriber::fmt()
-            .with_writer(move || writer.clone())
-            .with_ansi(false)
-            .finish();
-        tracing::subscriber::with_default(subscriber, || {
+        let ((), logs) = capture_logs(|| {
             // outbound: relay_h2(client tcp, ..) => sent = client -> server
             let out = ConnectionLog::open(
                 &m,
@@ -360,20 +385,7 @@ mod tests {
             };
             inb.finish(&m, ByteCounts::server_side(t), None);
         });
-        let text = m.render();
-        for reporter in ["source", "destination"] {
-            assert_eq!(
-                counter(&text, "istio_tcp_received_bytes_total", reporter),
-                100,
-                "{reporter}: received = request direction\n{text}"
-            );
-            assert_eq!(
-                counter(&text, "istio_tcp_sent_bytes_total", reporter),
-                7,
-                "{reporter}: sent = response direction\n{text}"
-            );
-        }
-        let logs = String::from_utf8(buf.0.lock().expect("buf").clone()).expect("utf8");
+        assert_byte_counters(&m.render(), 100, 7);
         let line = |dir: &str| {
             logs.lines()
                 .find(|l| l.contains(&format!("direction=\"{dir}\"")))

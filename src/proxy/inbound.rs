@@ -18,13 +18,14 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 use tokio::task::JoinSet;
 
-use crate::proxy::accesslog::{ByteCounts, ConnectionLog, Direction};
+use crate::proxy::accesslog::{ConnectionLog, Direction};
 use crate::proxy::copy;
 use crate::proxy::hbone::{self, ILLEGAL_PORTS};
 use crate::proxy::identity::Identity;
 use crate::proxy::pods::PodProxy;
 use crate::proxy::pool::{self, CONNECT_TIMEOUT};
 use crate::proxy::socket::{self, SocketError};
+use crate::proxy::task::{self, ClientSide, Logged, ServerSide};
 
 /// Time allowed for the TLS and HTTP/2 handshakes of an inbound HBONE connection.
 const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
@@ -53,9 +54,6 @@ pub enum InboundError {
     /// HTTP/2 failed.
     #[error("HTTP/2: {0}")]
     H2(#[source] h2::Error),
-    /// The relay failed.
-    #[error("relay: {0}")]
-    Relay(#[source] std::io::Error),
 }
 
 /// Serves one HBONE connection (TLS + HTTP/2) accepted on 15008.
@@ -172,14 +170,26 @@ struct Ends {
     peer_id: Option<Identity>,
 }
 
-/// Serves one CONNECT stream whose request was checked into `target` (see [`check_request`]).
-async fn stream(
+/// Serves one CONNECT stream whose request was checked into `target` (see [`check_request`]) as a
+/// [`task::run`] task.
+fn stream(
+    pod: Arc<PodProxy>,
+    target: Result<SocketAddr, InboundError>,
+    body: h2::RecvStream,
+    respond: SendResponse<Bytes>,
+    ends: Ends,
+) -> impl Future<Output = ()> + Send + 'static {
+    task::run(stream_setup(pod, target, body, respond, ends))
+}
+
+/// Everything before the relay: the app connect and the 200 (or the refusal, logged here).
+async fn stream_setup(
     pod: Arc<PodProxy>,
     target: Result<SocketAddr, InboundError>,
     body: h2::RecvStream,
     mut respond: SendResponse<Bytes>,
     ends: Ends,
-) {
+) -> Option<ServerSide<copy::H2Relay>> {
     let Ends {
         peer,
         local,
@@ -194,41 +204,34 @@ async fn stream(
         Err(e) => {
             refuse(&mut respond, StatusCode::BAD_REQUEST);
             log.failed(&pod.ctx.metrics, &e);
-            return;
+            return None;
         }
     };
     log.dst = target;
-    // Boxed and awaited in its own statement, so the connect state (with its timer) is not part of
-    // every relaying task.
-    let upstream = Box::pin(
-        pod.sockets
-            .connect(target, Some(peer.ip()), CONNECT_TIMEOUT),
-    )
-    .await;
-    let upstream = match upstream {
+    let upstream = match pod
+        .sockets
+        .connect(target, Some(peer.ip()), CONNECT_TIMEOUT)
+        .await
+    {
         Ok(u) => u,
         Err(e) => {
             refuse(&mut respond, StatusCode::SERVICE_UNAVAILABLE);
             log.failed(&pod.ctx.metrics, &InboundError::Upstream(e));
-            return;
+            return None;
         }
     };
     let send = match respond.send_response(Response::new(()), false) {
         Ok(s) => s,
         Err(e) => {
             log.failed(&pod.ctx.metrics, &InboundError::H2(e));
-            return;
+            return None;
         }
     };
-    drop(respond);
-    match copy::relay_h2(upstream, send, body).await {
-        Ok(t) => log.finish(&pod.ctx.metrics, ByteCounts::server_side(t), None),
-        Err(e) => log.finish(
-            &pod.ctx.metrics,
-            Default::default(),
-            Some(&InboundError::Relay(e)),
-        ),
-    }
+    Some(Logged::new(
+        pod.ctx.clone(),
+        log,
+        copy::relay_h2(upstream, send, body),
+    ))
 }
 
 /// Validates a CONNECT request against the pod address `local`; returns the app address.
@@ -251,42 +254,58 @@ pub fn check_request<B>(req: &Request<B>, local: SocketAddr) -> Result<SocketAdd
     Ok(target)
 }
 
-/// Serves one plaintext connection captured on 15006 (from a client outside the mesh).
-pub async fn handle_plaintext(pod: Arc<PodProxy>, tcp: TcpStream, peer: SocketAddr) {
+/// Serves one plaintext connection captured on 15006 (from a client outside the mesh) as a
+/// [`task::run`] task.
+pub fn handle_plaintext(
+    pod: Arc<PodProxy>,
+    tcp: TcpStream,
+    peer: SocketAddr,
+) -> impl Future<Output = ()> + Send + 'static {
+    task::run(plaintext_setup(pod, tcp, peer))
+}
+
+/// A plaintext inbound relay (boxed: the rare path).
+type Plaintext = std::pin::Pin<Box<dyn Future<Output = std::io::Result<copy::Transferred>> + Send>>;
+
+/// Everything before the plaintext relay: original destination, the checks, the app connect.
+async fn plaintext_setup(
+    pod: Arc<PodProxy>,
+    tcp: TcpStream,
+    peer: SocketAddr,
+) -> Option<ClientSide<Plaintext>> {
     let peer = socket::canonical(peer);
     let dst = match socket::original_dst(&tcp) {
         Ok(d) => d,
         Err(e) => {
             tracing::warn!(error = %e, "inbound plaintext without original destination");
-            return;
+            return None;
         }
     };
     let mut log = ConnectionLog::open(&pod.ctx.metrics, Direction::Inbound, peer, dst);
     log.dst_identity = Some(pod.identity.clone());
     if ILLEGAL_PORTS.contains(&dst.port()) {
         log.failed(&pod.ctx.metrics, &InboundError::IllegalPort(dst.port()));
-        return;
+        return None;
     }
     // Only the pod itself is a valid target: never relay to other addresses (no open proxy).
     if !pod.ips.contains(&dst.ip()) {
         let own = pod.ips.first().copied().unwrap_or(dst.ip());
         log.failed(&pod.ctx.metrics, &InboundError::IpMismatch(dst.ip(), own));
-        return;
+        return None;
     }
     match pod
         .sockets
         .connect(dst, Some(peer.ip()), CONNECT_TIMEOUT)
         .await
     {
-        Ok(upstream) => match copy::relay_tcp(tcp, upstream).await {
-            Ok(t) => log.finish(&pod.ctx.metrics, ByteCounts::client_side(t), None),
-            Err(e) => log.finish(
-                &pod.ctx.metrics,
-                Default::default(),
-                Some(&InboundError::Relay(e)),
-            ),
-        },
-        Err(e) => log.failed(&pod.ctx.metrics, &InboundError::Upstream(e)),
+        Ok(upstream) => {
+            let relay: Plaintext = Box::pin(copy::relay_tcp(tcp, upstream));
+            Some(Logged::new(pod.ctx.clone(), log, relay))
+        }
+        Err(e) => {
+            log.failed(&pod.ctx.metrics, &InboundError::Upstream(e));
+            None
+        }
     }
 }
 
@@ -300,6 +319,16 @@ mod tests {
             .uri(authority)
             .body(())
             .expect("request")
+    }
+
+    #[test]
+    fn hbone_stream_tasks_stay_small() {
+        use crate::proxy::task::size::{MAX_TASK_FUTURE, returned5};
+        let size = returned5(stream);
+        assert!(
+            size <= MAX_TASK_FUTURE,
+            "inbound stream task future: {size} bytes"
+        );
     }
 
     #[test]

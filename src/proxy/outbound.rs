@@ -6,18 +6,22 @@
 //! (unknown IP, protocol TCP) is passed through as plain TCP. Loopback self-calls to the proxy ports
 //! are refused.
 
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 
+use futures::future::Either;
 use tokio::net::TcpStream;
 
-use crate::proxy::accesslog::{ByteCounts, ConnectionLog, Direction};
-use crate::proxy::copy;
+use crate::proxy::accesslog::{ConnectionLog, Direction};
+use crate::proxy::copy::{self, Transferred};
 use crate::proxy::hbone::{self, HBONE_PORT, ILLEGAL_PORTS};
 use crate::proxy::identity::Identity;
 use crate::proxy::pods::PodProxy;
 use crate::proxy::pool::{CONNECT_TIMEOUT, PoolError, PoolKey};
 use crate::proxy::state::Protocol;
+use crate::proxy::task::{self, ClientSide, Logged};
 
 /// Errors of one outbound connection.
 #[derive(Debug, thiserror::Error)]
@@ -40,9 +44,6 @@ pub enum OutboundError {
     /// Passthrough connect failed.
     #[error(transparent)]
     Socket(#[from] crate::proxy::socket::SocketError),
-    /// The relay failed.
-    #[error("relay: {0}")]
-    Relay(#[source] std::io::Error),
     /// A service VIP without endpoints.
     #[error("service {0} has no endpoints")]
     NoEndpoints(String),
@@ -51,13 +52,29 @@ pub enum OutboundError {
     Request(#[source] http::Error),
 }
 
-/// Serves one captured outbound connection to the end.
-pub async fn handle(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) {
+/// A passthrough relay (boxed: the rare path must not size every HBONE task).
+type Passthrough = Pin<Box<dyn Future<Output = std::io::Result<Transferred>> + Send>>;
+
+/// The relay an outbound connection keeps once set up.
+type Relay = ClientSide<Either<copy::H2Relay, Passthrough>>;
+
+/// Serves one captured outbound connection to the end (a [`task::run`] task).
+pub fn handle(
+    pod: Arc<PodProxy>,
+    tcp: TcpStream,
+    client: SocketAddr,
+) -> impl Future<Output = ()> + Send + 'static {
+    task::run(setup(pod, tcp, client))
+}
+
+/// Everything before the relay: original destination, routing, the HBONE CONNECT or the
+/// passthrough connect. Failures are logged here (`None`).
+async fn setup(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) -> Option<Relay> {
     let dst = match crate::proxy::socket::original_dst(&tcp) {
         Ok(d) => d,
         Err(e) => {
             tracing::warn!(error = %OutboundError::OrigDst(e), "outbound connection dropped");
-            return;
+            return None;
         }
     };
     let client = crate::proxy::socket::canonical(client);
@@ -67,17 +84,17 @@ pub async fn handle(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) {
         && (dst.ip().is_loopback() || pod.ips.contains(&dst.ip()))
     {
         log.failed(&pod.ctx.metrics, &OutboundError::SelfCall(dst));
-        return;
+        return None;
     }
     let (target, dst_identity) = match route(&pod, dst, client) {
         Ok(r) => r,
         Err(e) => {
             log.failed(&pod.ctx.metrics, &e);
-            return;
+            return None;
         }
     };
     log.dst = target;
-    match dst_identity {
+    let relay = match dst_identity {
         Some(dst_identity) => {
             let hbone_addr = SocketAddr::new(target.ip(), HBONE_PORT);
             log.hbone_addr = Some(hbone_addr);
@@ -87,37 +104,26 @@ pub async fn handle(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) {
                 dst: dst_identity,
                 addr: hbone_addr,
             };
-            // Boxed and awaited in its own statement: the dial/handshake state and the pool key
-            // must not stay in every relaying task.
-            let stream = Box::pin(connect_hbone(&pod, key, client, target)).await;
-            match stream {
-                Ok((send, recv)) => match copy::relay_h2(tcp, send, recv).await {
-                    Ok(t) => log.finish(&pod.ctx.metrics, ByteCounts::client_side(t), None),
-                    Err(e) => log.finish(
-                        &pod.ctx.metrics,
-                        Default::default(),
-                        Some(&OutboundError::Relay(e)),
-                    ),
-                },
-                Err(e) => log.failed(&pod.ctx.metrics, &e),
+            match connect_hbone(&pod, key, client, target).await {
+                Ok((send, recv)) => Either::Left(copy::relay_h2(tcp, send, recv)),
+                Err(e) => {
+                    log.failed(&pod.ctx.metrics, &e);
+                    return None;
+                }
             }
         }
-        None => {
-            let upstream = Box::pin(pod.sockets.connect(target, None, CONNECT_TIMEOUT)).await;
-            match upstream {
-                // Boxed: passthrough is the rare path, its relay must not size every HBONE task.
-                Ok(upstream) => match Box::pin(copy::relay_tcp(tcp, upstream)).await {
-                    Ok(t) => log.finish(&pod.ctx.metrics, ByteCounts::client_side(t), None),
-                    Err(e) => log.finish(
-                        &pod.ctx.metrics,
-                        Default::default(),
-                        Some(&OutboundError::Relay(e)),
-                    ),
-                },
-                Err(e) => log.failed(&pod.ctx.metrics, &OutboundError::Socket(e)),
+        None => match pod.sockets.connect(target, None, CONNECT_TIMEOUT).await {
+            Ok(upstream) => {
+                let relay: Passthrough = Box::pin(copy::relay_tcp(tcp, upstream));
+                Either::Right(relay)
             }
-        }
-    }
+            Err(e) => {
+                log.failed(&pod.ctx.metrics, &OutboundError::Socket(e));
+                return None;
+            }
+        },
+    };
+    Some(Logged::new(pod.ctx.clone(), log, relay))
 }
 
 /// Resolves the original destination against the current state: a service VIP becomes one of its
