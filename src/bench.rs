@@ -30,8 +30,8 @@ pub struct BenchOptions {
     pub round_trips: usize,
     /// Enrolled pods for the "idle with N pods" RSS and the CNI ADD samples (≥ 2).
     pub pods: usize,
-    /// Idle connections held open through the tunnel: RSS is read with this many and with twice as
-    /// many; the difference per connection is the per-connection figure.
+    /// Idle connections per batch held open through the tunnel: RSS is read after each of three
+    /// batches; the slope from the first to the third is the per-connection figure.
     pub idle_conns: usize,
     /// Where to write the JSON report.
     pub json: PathBuf,
@@ -303,9 +303,7 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
     }
     let mib = |kib: u64| kib as f64 / 1024.0;
     if wants(Section::Memory) {
-        let (rss_conns, rss_2x, rss_after) =
-            idle_connections(&m_client, &m_server, opts.idle_conns, pid)?;
-        let per_conn_kib = rss_2x.saturating_sub(rss_conns) as f64 / opts.idle_conns.max(1) as f64;
+        let idle = idle_connections(&m_client, &m_server, opts.idle_conns, pid)?;
         values.push(Value::new(
             "RSS idle, 2 pods (MiB)",
             "rss_idle_2_pods_mib",
@@ -318,28 +316,27 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
             mib(rss_n),
             1,
         ));
-        values.push(Value::new(
-            &format!("RSS, {} idle conns (MiB)", opts.idle_conns),
-            "rss_idle_conns_mib",
-            mib(rss_conns),
-            1,
-        ));
-        values.push(Value::new(
-            &format!("RSS, {} idle conns (MiB)", 2 * opts.idle_conns),
-            "rss_2x_idle_conns_mib",
-            mib(rss_2x),
-            1,
-        ));
+        for (i, rss) in idle.held.iter().enumerate() {
+            values.push(Value::new(
+                &format!("RSS, {} idle conns (MiB)", (i + 1) * opts.idle_conns),
+                &match i {
+                    0 => "rss_idle_conns_mib".to_owned(),
+                    i => format!("rss_{}x_idle_conns_mib", i + 1),
+                },
+                mib(*rss),
+                1,
+            ));
+        }
         values.push(Value::new(
             "per idle connection (KiB)",
             "per_idle_conn_kib",
-            per_conn_kib,
+            idle.per_conn(opts.idle_conns),
             2,
         ));
         values.push(Value::new(
             "RSS after they closed (MiB)",
             "rss_after_close_mib",
-            mib(rss_after),
+            mib(idle.after),
             1,
         ));
     }
@@ -735,18 +732,21 @@ fn conn_rate(client: &Pod, server: &Pod, dur: Duration) -> anyhow::Result<f64> {
     Ok(count as f64 / elapsed)
 }
 
-/// RSS of the node process while idle connections are held through the tunnel: with `n`
-/// connections, with `2n`, and after all closed. Returns (RSS at n, RSS at 2n, RSS after), KiB.
+/// RSS of the node process while idle connections are held through the tunnel, KiB: after each
+/// of [`IDLE_BATCHES`] batches of `n` connections (`held[i]` with `(i + 1) * n` open), and after
+/// all closed.
 ///
-/// The per-connection figure is the slope between `n` and `2n`: the first `n` also pay one-time
-/// costs (code pages first touched by the data path, the first pooled HBONE connections and their
-/// buffers, allocator pages), which are not a cost per held connection.
+/// The per-connection figure is the slope from `n` to `IDLE_BATCHES * n`: the first `n` also pay
+/// one-time costs (code pages first touched by the data path, the first pooled HBONE connections
+/// and their buffers, allocator pages), which are not a cost per held connection. Two batches past
+/// the first halve the RSS noise per connection (how much freed memory of earlier sections a batch
+/// happens to reuse moves each reading by about a MiB).
 fn idle_connections(
     client: &Pod,
     server: &Pod,
     n: usize,
     pid: u32,
-) -> anyhow::Result<(u64, u64, u64)> {
+) -> anyhow::Result<IdleRss> {
     let ns = Netns::open(&client.netns_path)?;
     let sns = Netns::open(&server.netns_path)?;
     let addr = SocketAddr::new(server.ip, 7300);
@@ -755,7 +755,7 @@ fn idle_connections(
     let count = accepted.clone();
     let acceptor = std::thread::spawn(move || {
         let mut held = Vec::new();
-        while held.len() < 2 * n {
+        while held.len() < IDLE_BATCHES * n {
             match listener.accept() {
                 Ok((s, _)) => {
                     held.push(s);
@@ -787,16 +787,40 @@ fn idle_connections(
                 .collect()
         })
     };
-    let first = open(n)??;
-    wait_accepted(n)?;
-    let rss_n = settle_rss(pid)?;
-    let second = open(n)??;
-    let held = acceptor
+    let mut clients = Vec::with_capacity(IDLE_BATCHES * n);
+    let mut held = Vec::with_capacity(IDLE_BATCHES);
+    for batch in 1..=IDLE_BATCHES {
+        clients.extend(open(n)??);
+        wait_accepted(batch * n)?;
+        held.push(settle_rss(pid)?);
+    }
+    let accepted = acceptor
         .join()
         .map_err(|_| anyhow::anyhow!("acceptor panicked"))?;
-    let rss_2n = settle_rss(pid)?;
-    drop((first, second, held));
+    drop((clients, accepted));
     std::thread::sleep(Duration::from_secs(2));
     let after = settle_rss(pid)?;
-    Ok((rss_n, rss_2n, after))
+    Ok(IdleRss { held, after })
+}
+
+/// Batches of idle connections [`idle_connections`] opens.
+const IDLE_BATCHES: usize = 3;
+
+/// RSS readings of [`idle_connections`], KiB.
+struct IdleRss {
+    /// After each batch (`held[i]`: `(i + 1) * n` connections open).
+    held: Vec<u64>,
+    /// After all closed.
+    after: u64,
+}
+
+impl IdleRss {
+    /// KiB per connection from the first batch to the last.
+    fn per_conn(&self, n: usize) -> f64 {
+        let (Some(first), Some(last)) = (self.held.first(), self.held.last()) else {
+            return 0.0;
+        };
+        let conns = (self.held.len().saturating_sub(1) * n).max(1);
+        last.saturating_sub(*first) as f64 / conns as f64
+    }
 }

@@ -162,7 +162,7 @@ enum Cmd {
         /// Enrolled pods for the idle-memory and CNI ADD figures.
         #[arg(long, default_value_t = 100)]
         pods: usize,
-        /// Idle connections held through the tunnel (RSS read at this many and at twice as many).
+        /// Idle connections per batch held through the tunnel (RSS read after each of 3 batches).
         #[arg(long, default_value_t = 1000)]
         idle_conns: usize,
         /// JSON report path.
