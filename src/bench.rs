@@ -21,6 +21,10 @@ use serde_json::json;
 use crate::lab::{self, Lab, LabOptions, Pod, ProcessGuard};
 use crate::netns::Netns;
 
+mod placement;
+
+use placement::{OneCpu, Placement, PollingIdle};
+
 /// Options of a bench run.
 #[derive(Debug, Clone)]
 pub struct BenchOptions {
@@ -249,11 +253,8 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
     }
     if wants(Section::Latency) {
         let mut placements = vec![Placement::Free, Placement::OneCpu];
-        match PollingIdle::hold() {
-            Ok(guard) => {
-                drop(guard);
-                placements.push(Placement::PollingIdle);
-            }
+        match PollingIdle::check() {
+            Ok(()) => placements.push(Placement::PollingIdle),
             Err(e) => eprintln!("bench: {e:#}; the polling-idle latency rows are left out"),
         }
         for (i, placement) in placements.into_iter().enumerate() {
@@ -525,130 +526,12 @@ fn stop_server(client: &Netns, addr: SocketAddr, listener_thread: std::thread::J
     let _ = Lab::connect_from(client, addr);
 }
 
-/// Keeps the calling thread and every thread of a process on one CPU until dropped (then back on
-/// the masks they had). With everything on one CPU a wake-up is a context switch; across CPUs of this VM it is an
-/// inter-processor interrupt that costs 15–20 µs per hop (seen with `perf sched timehist`), and the
-/// mesh path has two more hops than the direct one.
-struct OneCpu {
-    /// The node's pid and the masks in force before pinning: the bench thread (tid 0 = the
-    /// calling thread) and every node thread.
-    pid: u32,
-    saved: Vec<(nix::unistd::Pid, nix::sched::CpuSet)>,
-}
-
-impl OneCpu {
-    /// Pins the calling thread and every thread of `pid` to the first CPU the calling thread may
-    /// use. On error, whatever was already pinned is restored (the guard exists before the first
-    /// change).
-    fn pin(pid: u32) -> anyhow::Result<OneCpu> {
-        use nix::sched::{CpuSet, sched_getaffinity, sched_setaffinity};
-        let me = nix::unistd::Pid::from_raw(0);
-        let mine = sched_getaffinity(me)?;
-        let cpu = (0..CpuSet::count())
-            .find(|&c| mine.is_set(c).unwrap_or(false))
-            .context("the bench thread may run on no CPU")?;
-        let mut one = CpuSet::new();
-        one.set(cpu)?;
-        let mut guard = OneCpu {
-            pid,
-            saved: vec![(me, mine)],
-        };
-        for tid in tasks(pid)? {
-            // A thread may have exited since the listing.
-            if let Ok(mask) = sched_getaffinity(tid) {
-                guard.saved.push((tid, mask));
-            }
-        }
-        sched_setaffinity(me, &one)?;
-        for (tid, _) in &guard.saved[1..] {
-            let _ = sched_setaffinity(*tid, &one);
-        }
-        Ok(guard)
-    }
-}
-
-impl Drop for OneCpu {
-    fn drop(&mut self) {
-        use nix::sched::sched_setaffinity;
-        for (tid, mask) in &self.saved {
-            let _ = sched_setaffinity(*tid, mask);
-        }
-        // Threads the node started while pinned get its main thread's mask.
-        let main = nix::unistd::Pid::from_raw(self.pid as i32);
-        let Some((_, main_mask)) = self.saved.iter().find(|(t, _)| *t == main) else {
-            return;
-        };
-        for tid in tasks(self.pid).unwrap_or_default() {
-            if !self.saved.iter().any(|(t, _)| *t == tid) {
-                let _ = sched_setaffinity(tid, main_mask);
-            }
-        }
-    }
-}
-
-/// The thread ids of `pid`.
-fn tasks(pid: u32) -> anyhow::Result<Vec<nix::unistd::Pid>> {
-    let mut out = Vec::new();
-    for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
-        let tid: i32 = task?
-            .file_name()
-            .to_string_lossy()
-            .parse()
-            .context("task id")?;
-        out.push(nix::unistd::Pid::from_raw(tid));
-    }
-    Ok(out)
-}
-
 /// Round-trip percentiles of both paths, µs.
 struct Latency {
     direct_p50: f64,
     direct_p99: f64,
     mesh_p50: f64,
     mesh_p99: f64,
-}
-
-/// Where the latency measurement runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Placement {
-    /// Wherever the scheduler puts the threads (both CPUs).
-    Free,
-    /// The node, the client and the echo server all on one CPU ([`OneCpu`]).
-    OneCpu,
-    /// Both CPUs, with idle CPUs polling instead of halting ([`PollingIdle`]).
-    PollingIdle,
-}
-
-impl Placement {
-    /// Row suffix and JSON key infix.
-    fn label(self) -> (&'static str, &'static str) {
-        match self {
-            Placement::Free => ("", ""),
-            Placement::OneCpu => (", one CPU", "_one_cpu"),
-            Placement::PollingIdle => (", idle CPUs polling", "_polling_idle"),
-        }
-    }
-}
-
-/// Holds a PM QoS CPU latency request of 0 µs (`/dev/cpu_dma_latency`, kernel
-/// `Documentation/power/pm_qos_interface.rst`) until dropped: idle CPUs poll instead of halting,
-/// so a wake-up on another CPU costs no halt exit. The request ends when the file is closed.
-/// This shows how much of the two-CPU round trip is the machine's wake-up cost rather than the
-/// proxy's work; it changes nothing else and needs root.
-struct PollingIdle {
-    _request: std::fs::File,
-}
-
-impl PollingIdle {
-    fn hold() -> anyhow::Result<PollingIdle> {
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .open("/dev/cpu_dma_latency")
-            .context("opening /dev/cpu_dma_latency")?;
-        f.write_all(&0i32.to_ne_bytes())
-            .context("writing /dev/cpu_dma_latency")?;
-        Ok(PollingIdle { _request: f })
-    }
 }
 
 /// 1 KiB round trips on one kept connection per path (`pods`: direct client, direct server, mesh
@@ -741,12 +624,7 @@ fn conn_rate(client: &Pod, server: &Pod, dur: Duration) -> anyhow::Result<f64> {
 /// and their buffers, allocator pages), which are not a cost per held connection. Two batches past
 /// the first halve the RSS noise per connection (how much freed memory of earlier sections a batch
 /// happens to reuse moves each reading by about a MiB).
-fn idle_connections(
-    client: &Pod,
-    server: &Pod,
-    n: usize,
-    pid: u32,
-) -> anyhow::Result<IdleRss> {
+fn idle_connections(client: &Pod, server: &Pod, n: usize, pid: u32) -> anyhow::Result<IdleRss> {
     let ns = Netns::open(&client.netns_path)?;
     let sns = Netns::open(&server.netns_path)?;
     let addr = SocketAddr::new(server.ip, 7300);
@@ -822,5 +700,31 @@ impl IdleRss {
         };
         let conns = (self.held.len().saturating_sub(1) * n).max(1);
         last.saturating_sub(*first) as f64 / conns as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn per_connection_slope_runs_from_the_first_batch_to_the_last() {
+        let idle = IdleRss {
+            held: vec![10_000, 14_000, 16_000],
+            after: 0,
+        };
+        // (16,000 - 10,000) KiB over the 2 × 1,000 connections past the first batch
+        assert_eq!(idle.per_conn(1000), 3.0);
+        // RSS that fell is no cost
+        let fell = IdleRss {
+            held: vec![10_000, 9_000, 9_500],
+            after: 0,
+        };
+        assert_eq!(fell.per_conn(1000), 0.0);
+        let one = IdleRss {
+            held: vec![10_000],
+            after: 0,
+        };
+        assert_eq!(one.per_conn(1000), 0.0);
     }
 }

@@ -7,7 +7,7 @@ use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
-use common::node::{MeshNode, echo_once};
+use common::node::{MeshNode, answer_once, echo_once};
 use ztnode::lab::Lab;
 use ztnode::netns::Netns;
 
@@ -109,20 +109,23 @@ fn pods_talk_over_hbone_with_identities_and_real_source_ip() {
     // and the app still sees the real client address
     let outsider_ns = Netns::open(&node.outsider.netns_path).expect("outsider netns");
     let plain = SocketAddr::new(node.server.ip, 8081);
-    let echo = echo_once(&server_ns, plain);
+    let answer = answer_once(&server_ns, plain, |_| b"ack".to_vec());
     let mut c = Lab::connect_from(&outsider_ns, plain).expect("connect from outsider");
     c.write_all(b"plain").expect("write");
     c.shutdown(std::net::Shutdown::Write).expect("half close");
     let mut back = Vec::new();
-    c.read_to_end(&mut back).expect("read echo");
-    assert_eq!(back, b"plain");
-    let (_, peer) = echo.join().expect("echo thread");
+    c.read_to_end(&mut back).expect("read answer");
+    assert_eq!(back, b"ack");
+    let (got, peer) = answer.join().expect("answer thread");
+    assert_eq!(got, b"plain");
     assert_eq!(peer.ip(), node.outsider.ip);
+    // the inbound view: sent towards the client 3, received from it 5
     node.wait_log(
         &[
             "connection complete",
             "direction=\"inbound\"",
             &format!("src.addr={}", node.outsider.ip),
+            "bytes_sent=3 bytes_recv=5",
         ],
         Duration::from_secs(5),
     );
@@ -178,6 +181,21 @@ fn gigabyte_transfer_and_200_concurrent_connections() {
     let (total, digest) = sink.join().expect("sink");
     assert_eq!(total, 1 << 30);
     assert_eq!(digest, ctx.finish().as_ref().to_vec(), "checksum mismatch");
+    // one way: the client's proxy sent it all towards the server, the server's received it all
+    // from the client (the access log's view from each proxy)
+    for (direction, counts) in [
+        ("outbound", "bytes_sent=1073741824 bytes_recv=0"),
+        ("inbound", "bytes_sent=0 bytes_recv=1073741824"),
+    ] {
+        node.wait_log(
+            &[
+                "connection complete",
+                &format!("direction=\"{direction}\""),
+                counts,
+            ],
+            Duration::from_secs(5),
+        );
+    }
 
     // 200 concurrent connections, each echoing its own id
     let many = SocketAddr::new(node.server.ip, 9001);

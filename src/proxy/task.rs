@@ -6,7 +6,8 @@
 //! record, the shared context its counters live in). An `async fn` that did both would keep the setup's locals, and a copy of its
 //! arguments, in every relaying task. Measured with `-Zprint-type-sizes`: the task of an outbound
 //! HBONE connection took 1,024 bytes that way and takes 512 in this shape, the inbound stream's
-//! 896 and now 512 (tokio rounds task cells up to 128 bytes; 512 leaves 8 spare).
+//! 896 and now 512 (tokio rounds task cells up to 128 bytes; the `size` tests hold the futures to
+//! the 408 bytes that keep them at 512).
 
 use std::future::Future;
 use std::io;
@@ -21,7 +22,8 @@ use crate::proxy::accesslog::{ByteCounts, ConnectionLog};
 use crate::proxy::copy::Transferred;
 use crate::proxy::pods::ProxyContext;
 
-/// A relay whose end is logged and counted (`finish` on the connection's [`ConnectionLog`]).
+/// A relay whose end is logged and counted (`finish` on the connection's [`ConnectionLog`]), once:
+/// polled again after it ended, it is `Ready` without polling the relay.
 ///
 /// `F` is the relay, resolving to the bytes moved or the first I/O error. `LOCAL_IS_CLIENT` says
 /// whether the relay's TCP side (the [`Transferred`] orientation) is the connection's client
@@ -63,6 +65,10 @@ where
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
         let this = &mut *self;
+        if this.log.is_none() {
+            // Ended (and logged) already: the relay is not polled again.
+            return Poll::Ready(());
+        }
         let result = ready!(Pin::new(&mut this.relay).poll(cx));
         if let Some(log) = this.log.take() {
             let metrics = &this.ctx.metrics;
@@ -119,8 +125,9 @@ mod tests {
         ready(Ok(Transferred { sent, received }))
     }
 
-    /// One connection, the client sent 100 bytes and the server answered 7: the outbound relay
-    /// sees it from the client's side, the inbound HBONE relay from the app's.
+    /// One connection, the client sent 100 bytes and the server answered 7, as a client-side and
+    /// a server-side relay see it. (Which side each path's relay is, is checked end to end by
+    /// `tests/e2e_node.rs` through the access-log byte counts.)
     #[test]
     fn each_side_counts_the_request_direction_as_received() {
         let ctx = ctx();
@@ -164,6 +171,21 @@ mod tests {
     }
 
     #[test]
+    fn an_ended_relay_is_logged_once_and_not_polled_again() {
+        let ctx = ctx();
+        // `Ready` panics when polled after it completed.
+        let mut relay = ClientSide::new(ctx.clone(), log(&ctx, Direction::Outbound), done(5, 6));
+        assert_eq!((&mut relay).now_or_never(), Some(()));
+        assert_eq!((&mut relay).now_or_never(), Some(()));
+        let text = ctx.metrics.render();
+        assert_eq!(
+            counter(&text, "istio_tcp_connections_closed_total", "source"),
+            1,
+            "{text}"
+        );
+    }
+
+    #[test]
     fn a_failed_setup_ends_the_task_without_a_relay() {
         let none: Option<ClientSide<Ready<io::Result<Transferred>>>> = None;
         assert_eq!(run(ready(none)).now_or_never(), Some(()));
@@ -175,7 +197,8 @@ mod tests {
 #[cfg(test)]
 pub(crate) mod size {
     /// Header (32) + scheduler and id (16) + stage + trailer (48) fit 512 bytes while the stage,
-    /// this future plus tokio's tag, takes at most 416.
+    /// this future plus tokio's tag, takes at most 416 (the layout of tokio 1.x's task cell without
+    /// `tokio_unstable`, read with `-Zprint-type-sizes`).
     pub(crate) const MAX_TASK_FUTURE: usize = 408;
 
     /// The size of what `f` returns, without calling it.

@@ -121,13 +121,22 @@ pub fn echo_once(
     ns: &ztnode::netns::Netns,
     addr: std::net::SocketAddr,
 ) -> std::thread::JoinHandle<(Vec<u8>, std::net::SocketAddr)> {
+    answer_once(ns, addr, |got| got.to_vec())
+}
+
+/// Like [`echo_once`], but the answer is `answer(what was read)`.
+pub fn answer_once(
+    ns: &ztnode::netns::Netns,
+    addr: std::net::SocketAddr,
+    answer: impl FnOnce(&[u8]) -> Vec<u8> + Send + 'static,
+) -> std::thread::JoinHandle<(Vec<u8>, std::net::SocketAddr)> {
     use std::io::{Read, Write};
     let listener = Lab::listen_in(ns, addr).expect("listen");
     std::thread::spawn(move || {
         let (mut s, peer) = listener.accept().expect("accept");
         let mut buf = Vec::new();
         s.read_to_end(&mut buf).expect("read");
-        s.write_all(&buf).expect("echo");
+        s.write_all(&answer(&buf)).expect("answer");
         (buf, peer)
     })
 }
