@@ -128,6 +128,7 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
         "the benchmark builds network namespaces: run it as root"
     );
     anyhow::ensure!(opts.pods >= 2, "--pods must be at least 2");
+    let started = time::OffsetDateTime::now_utc();
     crate::raise_nofile_limit();
     let prefix = opts.lab_prefix.as_str();
     // Short (interface names like `<prefix>-br` have 15 characters at most) and without `-`, so
@@ -362,9 +363,14 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
         ));
     }
 
+    let machine = Machine::read(started);
     println!(
-        "\nztnode bench ({}s per throughput/rate figure, {} round trips, 2 cores shared by everything)",
-        secs, opts.round_trips
+        "\nztnode bench ({}s per throughput/rate figure, {} round trips, {} CPUs shared by everything)",
+        secs, opts.round_trips, machine.cpus
+    );
+    println!(
+        "ztnode {}, started {}, cpuidle {}",
+        machine.version, machine.started_at, machine.cpuidle
     );
     println!(
         "{:<40} {:>12} {:>12} {:>10}",
@@ -393,6 +399,10 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
         "pods": opts.pods,
         "idle_conns": opts.idle_conns,
         "cni_add_samples": plugin_ms.len(),
+        "ztnode_version": machine.version,
+        "started_at": machine.started_at,
+        "cpus": machine.cpus,
+        "cpuidle": machine.cpuidle,
         "figures": rows.iter().map(|r| json!({"name": r.name, "unit": r.unit, "direct": r.direct, "ztnode": r.mesh, "ratio": r.ratio})).collect::<Vec<_>>(),
     });
     for v in &values {
@@ -524,6 +534,41 @@ fn echo_server(
 fn stop_server(client: &Netns, addr: SocketAddr, listener_thread: std::thread::JoinHandle<()>) {
     drop(listener_thread);
     let _ = Lab::connect_from(client, addr);
+}
+
+/// What a report needs to be compared with another one: the build, when it ran, and the
+/// machine facts that move the figures (CPU count; the cpuidle driver and whether idle vCPUs poll
+/// before halting, which sets the cost of a wake-up across CPUs).
+struct Machine {
+    /// `<crate version> (<git sha>)`.
+    version: String,
+    /// UTC start of the run, RFC 3339.
+    started_at: String,
+    cpus: usize,
+    /// `<driver>, guest_halt_poll_ns=<n>` as far as sysfs tells (`unknown` parts otherwise).
+    cpuidle: String,
+}
+
+impl Machine {
+    fn read(started: time::OffsetDateTime) -> Machine {
+        let sys = |path: &str| {
+            std::fs::read_to_string(path)
+                .map(|s| s.trim().to_owned())
+                .unwrap_or_else(|_| "unknown".to_owned())
+        };
+        Machine {
+            version: format!("{} ({})", env!("CARGO_PKG_VERSION"), env!("ZTNODE_GIT_SHA")),
+            started_at: started
+                .format(&time::format_description::well_known::Rfc3339)
+                .unwrap_or_else(|_| "unknown".to_owned()),
+            cpus: std::thread::available_parallelism().map_or(0, usize::from),
+            cpuidle: format!(
+                "{}, guest_halt_poll_ns={}",
+                sys("/sys/devices/system/cpu/cpuidle/current_driver"),
+                sys("/sys/module/haltpoll/parameters/guest_halt_poll_ns")
+            ),
+        }
+    }
 }
 
 /// Round-trip percentiles of both paths, µs.

@@ -106,6 +106,10 @@ fn bench_reports_every_figure() {
         );
     }
     assert!(v["rss_idle_pods_mib"].as_f64().is_some_and(|x| x > 0.0));
+    for key in ["ztnode_version", "started_at", "cpuidle"] {
+        assert!(v[key].as_str().is_some_and(|s| !s.is_empty()), "{key}: {v}");
+    }
+    assert!(v["cpus"].as_u64().is_some_and(|n| n > 0), "{v}");
     for key in ["cpu_ms_per_gb_1_stream", "cpu_ms_per_gb_8_streams"] {
         assert!(v[key].as_f64().is_some_and(|x| x > 0.0), "{key}: {v}");
     }
