@@ -73,9 +73,9 @@ impl PollingIdle {
 }
 
 /// Keeps the calling thread and every thread of a process on one CPU until dropped (then back on
-/// the masks they had). With everything on one CPU a wake-up is a context switch; across CPUs of this VM it is an
-/// inter-processor interrupt that costs 15–20 µs per hop (seen with `perf sched timehist`), and the
-/// mesh path has two more hops than the direct one.
+/// the masks they had). With everything on one CPU a wake-up is a context switch; across CPUs of
+/// this VM it is an inter-processor interrupt that costs 15–20 µs per hop (seen with
+/// `perf sched timehist`), and the mesh path has two more hops than the direct one.
 pub(super) struct OneCpu {
     /// The node's pid and the masks in force before pinning: the bench thread (tid 0 = the
     /// calling thread) and every node thread.

@@ -2,12 +2,14 @@
 //!
 //! A task first runs its setup: original destination, routing, the HBONE CONNECT or the app
 //! connect, with their timers and error paths. That setup is boxed and freed when it ends. For the
-//! rest of the connection's life the task holds only a [`Logged`] relay (the relay, its access-log
-//! record, the shared context its counters live in). An `async fn` that did both would keep the setup's locals, and a copy of its
-//! arguments, in every relaying task. Measured with `-Zprint-type-sizes`: the task of an outbound
-//! HBONE connection took 1,024 bytes that way and takes 512 in this shape, the inbound stream's
-//! 896 and now 512 (tokio rounds task cells up to 128 bytes; the `size` tests hold the futures to
-//! the 408 bytes that keep them at 512).
+//! rest of the connection's life the task holds only a [`Logged`] relay: the relay, its access-log
+//! record and the shared context its counters live in. An `async fn` doing both would keep the
+//! setup's locals, and a copy of its arguments, in every relaying task.
+//!
+//! Measured with `-Zprint-type-sizes`: the task of an outbound HBONE connection took 1,024 bytes
+//! that way and takes 512 in this shape, the inbound stream's 896 and now 512 (tokio rounds task
+//! cells up to 128 bytes; the `size` tests hold the futures to the 408 bytes that keep them at
+//! 512).
 
 use std::future::Future;
 use std::io;
