@@ -98,7 +98,7 @@ pub async fn run(
     let ready = ready::Readiness::new();
     let state = load_state(&cfg.config, &ready)?;
     let (stop_tx, stop_rx) = watch::channel(false);
-    let (proxies, link) = start_proxy(&cfg.proxy, state.clone())?;
+    let (proxies, link) = start_proxy(&cfg.proxy, state.clone(), &ready)?;
     let agent = start_agent(
         &cfg.agent,
         state.clone(),
@@ -165,7 +165,7 @@ pub async fn run_proxy(
     let ready = ready::Readiness::new();
     let state = load_state(&config, &ready)?;
     let (stop_tx, stop_rx) = watch::channel(false);
-    let (proxies, link) = start_proxy(&cfg, state.clone())?;
+    let (proxies, link) = start_proxy(&cfg, state.clone(), &ready)?;
     serve_admin(&cfg, state, proxies.clone(), None, ready, stop_rx).await?;
     let res = tokio::select! {
         _ = shutdown => Ok(()),
@@ -179,11 +179,17 @@ pub async fn run_proxy(
     res
 }
 
+/// Readiness task of the proxy half: pending until the first ZDS snapshot is applied, so a node
+/// (or a restarted proxy) reports ready only once it serves every pod the agent had enrolled.
+pub const SNAPSHOT_TASK: &str = "ZDS snapshot";
+
 /// Starts the proxy half: built-in CA from `cfg.ca_dir`, certificates, and the proxy manager serving
-/// the returned in-process ZDS channel (a socket client or the agent feeds it).
+/// the returned in-process ZDS channel (a socket client or the agent feeds it). Registers
+/// [`SNAPSHOT_TASK`] in `ready`.
 pub fn start_proxy(
     cfg: &ProxyConfig,
     state: StateHandle,
+    ready: &ready::Readiness,
 ) -> anyhow::Result<(Arc<ProxyManager>, ZdsClient)> {
     let ca = Ca::load_or_generate(Some(&cfg.ca_dir)).context("built-in CA")?;
     let certs = CertManager::new(ca, cfg.cert_lifetime);
@@ -196,7 +202,11 @@ pub fn start_proxy(
     });
     let proxies = ProxyManager::new(ctx);
     let (link, rx) = zds::channel();
-    tokio::spawn(proxies.clone().run(rx));
+    let snapshot = ready.register(SNAPSHOT_TASK);
+    tokio::spawn(proxies.clone().run(rx, move || {
+        tracing::info!("ZDS snapshot applied");
+        snapshot.done();
+    }));
     Ok((proxies, link))
 }
 
@@ -316,4 +326,42 @@ async fn serve_admin(
 /// Resolves once `rx` turns true (or its sender is gone).
 async fn stopped(mut rx: watch::Receiver<bool>) {
     let _ = rx.wait_for(|s| *s).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::zds::WorkloadRequest;
+
+    fn proxy_config(ca_dir: &Path) -> ProxyConfig {
+        let any: SocketAddr = "127.0.0.1:0".parse().expect("addr");
+        ProxyConfig {
+            ca_dir: ca_dir.to_owned(),
+            cert_lifetime: Duration::from_secs(3600),
+            packet_mark: 0x539,
+            admin_addr: any,
+            readiness_addr: any,
+            metrics_addr: any,
+        }
+    }
+
+    #[tokio::test]
+    async fn the_proxy_is_ready_once_the_first_snapshot_is_applied() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ready = ready::Readiness::new();
+        let state = StateHandle::new(state::ProxyState::default());
+        let (_proxies, link) =
+            start_proxy(&proxy_config(dir.path()), state, &ready).expect("proxy");
+        assert_eq!(ready.pending_tasks(), [SNAPSHOT_TASK]);
+        // a Keep or Del before the snapshot's end changes nothing
+        link.send(WorkloadRequest::Del { uid: "gone".into() })
+            .await
+            .expect("ack");
+        assert_eq!(ready.pending_tasks(), [SNAPSHOT_TASK]);
+        link.send(WorkloadRequest::SnapshotSent).await.expect("ack");
+        assert!(ready.is_ready(), "{:?}", ready.pending_tasks());
+        // later snapshots (a reconnected agent) keep it ready
+        link.send(WorkloadRequest::SnapshotSent).await.expect("ack");
+        assert!(ready.is_ready());
+    }
 }

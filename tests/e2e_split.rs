@@ -142,6 +142,20 @@ impl Drop for RunDir {
     }
 }
 
+/// `GET /healthz/ready` on the proxy's readiness port (15021) from inside the node netns: the status
+/// line and the body.
+fn readiness(lab: &Lab) -> (String, String) {
+    let addr: SocketAddr = "127.0.0.1:15021".parse().expect("addr");
+    let mut s = Lab::connect_from(lab.node(), addr).expect("connect to readiness");
+    s.write_all(b"GET /healthz/ready HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        .expect("request");
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).expect("response");
+    let status = resp.lines().next().unwrap_or_default().to_owned();
+    let body = resp.split("\r\n\r\n").nth(1).unwrap_or_default().to_owned();
+    (status, body)
+}
+
 /// Starts `ztnode proxy` in the node netns and waits until it has received the agent's snapshot.
 fn start_proxy(lab: &Lab, config: &Path, run_dir: &Path, zds: &Path, log: PathBuf) -> Proxy {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_ztnode"));
@@ -273,6 +287,15 @@ fn agent_and_proxy_as_separate_processes_over_zds() {
         &["pod proxy listening", "sa/bob"],
         Duration::from_secs(5),
     );
+    // ready once the snapshot is applied (pending until then: "ZDS snapshot")
+    wait_log(
+        &proxy.log,
+        &["ZDS snapshot applied"],
+        Duration::from_secs(5),
+    );
+    let (status, body) = readiness(&lab);
+    assert!(status.contains(" 200 "), "{status}: {body}");
+    assert_eq!(body, "ready\n");
     let client = lab.add_pod("client", "default").expect("add client");
     assert_eq!(client.ip, client_ip, "host-local allocation order");
 

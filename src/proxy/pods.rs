@@ -148,8 +148,16 @@ impl ProxyManager {
     }
 
     /// Serves agent requests until the channel closes; answers each with an ack or nack text.
-    pub async fn run(self: Arc<Self>, mut rx: ZdsReceiver) {
+    /// `on_snapshot` runs once, after the first `SnapshotSent`: from then on every pod the agent
+    /// had enrolled is served (ztunnel reports ready only from that point).
+    pub async fn run(self: Arc<Self>, mut rx: ZdsReceiver, on_snapshot: impl FnOnce() + Send) {
+        let mut on_snapshot = Some(on_snapshot);
         while let Some((req, ack)) = rx.recv().await {
+            if matches!(req, WorkloadRequest::SnapshotSent)
+                && let Some(f) = on_snapshot.take()
+            {
+                f();
+            }
             let res = match req {
                 WorkloadRequest::Add { uid, info, netns } => self
                     .add(uid, info, netns)
