@@ -5,6 +5,7 @@
 //! [`identity`]) → the peer's [`inbound`] checks and forwards them to its app.
 
 pub mod accesslog;
+pub mod authz;
 pub mod config;
 pub mod copy;
 pub mod hbone;

@@ -251,3 +251,67 @@ fn destination_without_listener_closes_the_client() {
     node.wait_log(&["connection failed", "503"], Duration::from_secs(5));
     let _: IpAddr = node.server.ip;
 }
+
+/// ztunnel's example policy (`examples/localhost.yaml`): in namespace `default`, allow every
+/// destination port but 9999.
+const ALLOW_BUT_9999: &str = "policies:
+- name: deny-9999
+  namespace: default
+  scope: Namespace
+  action: Allow
+  rules:
+  - - - notDestinationPorts: [9999]
+";
+
+#[test]
+fn authorization_policies_reject_inbound_connections() {
+    if !common::privileged("authorization_policies_reject_inbound_connections") {
+        return;
+    }
+    let node = MeshNode::start_with(&common::prefix("e2p"), ALLOW_BUT_9999);
+    let server_ns = Netns::open(&node.server.netns_path).expect("server netns");
+    let client_ns = Netns::open(&node.client.netns_path).expect("client netns");
+    let outsider_ns = Netns::open(&node.outsider.netns_path).expect("outsider netns");
+
+    // allowed: port 8080 over HBONE
+    let app = SocketAddr::new(node.server.ip, 8080);
+    let echo = echo_once(&server_ns, app);
+    let mut c = Lab::connect_from(&client_ns, app).expect("connect");
+    c.write_all(b"allowed").expect("write");
+    c.shutdown(std::net::Shutdown::Write).expect("half close");
+    let mut back = Vec::new();
+    c.read_to_end(&mut back).expect("read echo");
+    assert_eq!(back, b"allowed");
+    echo.join().expect("echo thread");
+
+    // denied: port 9999, over HBONE and in plaintext; the app never sees a connection
+    let denied = SocketAddr::new(node.server.ip, 9999);
+    let listener = Lab::listen_in(&server_ns, denied).expect("listen");
+    listener.set_nonblocking(true).expect("nonblocking");
+    for (ns, src) in [
+        (&client_ns, node.client.ip),
+        (&outsider_ns, node.outsider.ip),
+    ] {
+        let mut c = Lab::connect_from(ns, denied).expect("connect to the capture");
+        c.set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("timeout");
+        let _ = c.write_all(b"denied");
+        let mut back = Vec::new();
+        // closed by the proxy: end of stream or a reset, never data
+        let _ = c.read_to_end(&mut back);
+        assert!(back.is_empty(), "denied connection got data: {back:?}");
+        node.wait_log(
+            &[
+                "direction=\"inbound\"",
+                &format!("src.addr={src}"),
+                "connection closed due to policy rejection: allow policies exist, but none allowed",
+            ],
+            Duration::from_secs(5),
+        );
+    }
+    assert_eq!(
+        listener.accept().map(|_| ()).map_err(|e| e.kind()),
+        Err(std::io::ErrorKind::WouldBlock),
+        "the app must not see a denied connection"
+    );
+}

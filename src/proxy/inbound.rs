@@ -2,10 +2,11 @@
 //!
 //! HBONE (`../shared/spec/ztunnel.md` §3): mTLS with a client certificate chained to our root and of
 //! our trust domain, then HTTP/2 CONNECT streams. Each stream's `:authority` must name this pod's own
-//! IP (the address 15008 was reached on) and a port outside 15001/15006/15008, else 400; the app is
-//! dialled from the client's IP (IP_TRANSPARENT) so it sees the real source; 200 only after that
-//! connect succeeded, 503 otherwise. Never an open proxy. Each HBONE connection is kept alive with
-//! HTTP/2 PINGs and owns its streams ([`serve_streams`]).
+//! IP (the address 15008 was reached on) and a port outside 15001/15006/15008, else 400; then the
+//! authorization policies must allow it ([`authz`], else 401); the app is dialled from the client's
+//! IP (IP_TRANSPARENT) so it sees the real source; 200 only after that connect succeeded, 503
+//! otherwise. Never an open proxy. Each HBONE connection is kept alive with HTTP/2 PINGs and owns
+//! its streams ([`serve_streams`]). Plaintext connections are authorized without an identity.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -19,6 +20,7 @@ use tokio::net::TcpStream;
 use tokio::task::JoinSet;
 
 use crate::proxy::accesslog::{ConnectionLog, Direction};
+use crate::proxy::authz;
 use crate::proxy::copy;
 use crate::proxy::hbone::{self, ILLEGAL_PORTS};
 use crate::proxy::identity::Identity;
@@ -54,6 +56,9 @@ pub enum InboundError {
     /// HTTP/2 failed.
     #[error("HTTP/2: {0}")]
     H2(#[source] h2::Error),
+    /// An authorization policy rejected the connection (ztunnel's wording).
+    #[error("connection closed due to policy rejection: {0}")]
+    Policy(#[from] authz::Denied),
 }
 
 /// Serves one HBONE connection (TLS + HTTP/2) accepted on 15008.
@@ -208,6 +213,16 @@ async fn stream_setup(
         }
     };
     log.dst = target;
+    let conn = authz::Connection {
+        src_identity: log.src_identity.as_ref(),
+        src_ip: peer.ip(),
+        dst: target,
+    };
+    if let Err(denied) = authorize(&pod, &conn) {
+        refuse(&mut respond, StatusCode::UNAUTHORIZED);
+        log.failed(&pod.ctx.metrics, &InboundError::Policy(denied));
+        return None;
+    }
     let upstream = match pod
         .sockets
         .connect(target, Some(peer.ip()), CONNECT_TIMEOUT)
@@ -232,6 +247,16 @@ async fn stream_setup(
         log,
         copy::relay_h2(upstream, send, body),
     ))
+}
+
+/// [`authz::check`] against the current state, for this pod's workload as the state has it now
+/// (its `authorizationPolicies` may have changed since the pod started).
+fn authorize(pod: &PodProxy, conn: &authz::Connection<'_>) -> Result<(), authz::Denied> {
+    let state = pod.ctx.state.load();
+    let workload = state
+        .workload_by_uid(&pod.workload.uid)
+        .unwrap_or_else(|| pod.workload.clone());
+    authz::check(&state, &workload, conn)
 }
 
 /// Validates a CONNECT request against the pod address `local`; returns the app address.
@@ -291,6 +316,15 @@ async fn plaintext_setup(
     if !pod.ips.contains(&dst.ip()) {
         let own = pod.ips.first().copied().unwrap_or(dst.ip());
         log.failed(&pod.ctx.metrics, &InboundError::IpMismatch(dst.ip(), own));
+        return None;
+    }
+    let conn = authz::Connection {
+        src_identity: None,
+        src_ip: peer.ip(),
+        dst,
+    };
+    if let Err(denied) = authorize(&pod, &conn) {
+        log.failed(&pod.ctx.metrics, &InboundError::Policy(denied));
         return None;
     }
     match pod

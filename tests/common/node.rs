@@ -26,6 +26,11 @@ pub const SUBNET: &str = "10.249.0.0/24";
 impl MeshNode {
     /// Builds the node; `prefix` must be unique per test and ≤ 10 chars.
     pub fn start(prefix: &str) -> MeshNode {
+        MeshNode::start_with(prefix, "")
+    }
+
+    /// [`MeshNode::start`] with `extra` appended to the local config (e.g. a `policies:` list).
+    pub fn start_with(prefix: &str, extra: &str) -> MeshNode {
         let run_dir = std::env::temp_dir().join(format!("ztnode-e2e-run-{prefix}"));
         let _ = std::fs::remove_dir_all(&run_dir);
         let lab = Lab::new(LabOptions {
@@ -47,7 +52,7 @@ impl MeshNode {
                     ("client", "default", "alice", client_ip),
                     ("server", "default", "bob", server_ip),
                 ],
-            ),
+            ) + extra,
         )
         .expect("write config");
         let (process, log) = lab

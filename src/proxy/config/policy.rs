@@ -1,7 +1,7 @@
 //! Authorization policies of the local config (`policies:`), shaped like ztunnel's
 //! `src/rbac.rs` `Authorization` (proto `istio.security.Authorization`, spec §6).
 //!
-//! They are parsed, validated and kept in the state; enforcement lives elsewhere.
+//! They are parsed, validated and kept in the state; [`crate::proxy::authz`] enforces them.
 
 use std::fmt;
 use std::net::IpAddr;
