@@ -166,10 +166,11 @@ pub async fn run_proxy(
     let state = load_state(&config, &ready)?;
     let (stop_tx, stop_rx) = watch::channel(false);
     let (proxies, link) = start_proxy(&cfg, state.clone(), &ready)?;
+    let connection = ready.register(ZDS_CONNECTION_TASK);
     serve_admin(&cfg, state, proxies.clone(), None, ready, stop_rx).await?;
     let res = tokio::select! {
         _ = shutdown => Ok(()),
-        r = zds::client::run(zds_socket, link, std::future::pending()) => {
+        r = zds::client::run(zds_socket, link, std::future::pending(), move |up| connection.set_ready(up)) => {
             r.context("ZDS connection to the node agent")
         }
     };
@@ -179,13 +180,18 @@ pub async fn run_proxy(
     res
 }
 
-/// Readiness task of the proxy half: pending until the first ZDS snapshot is applied, so a node
-/// (or a restarted proxy) reports ready only once it serves every pod the agent had enrolled.
-pub const SNAPSHOT_TASK: &str = "ZDS snapshot";
+/// Readiness task of the proxy half (ztunnel's name): pending until the first ZDS snapshot has been
+/// applied with every workload in it started, and again while a workload's start has failed
+/// ([`ProxyManager::run`]).
+pub const PROXY_MANAGER_TASK: &str = "workload proxy manager";
+
+/// Readiness task of a separate proxy: pending while it is not connected to the agent's ZDS
+/// socket (ztunnel goes unready on disconnect).
+pub const ZDS_CONNECTION_TASK: &str = "ZDS connection";
 
 /// Starts the proxy half: built-in CA from `cfg.ca_dir`, certificates, and the proxy manager serving
 /// the returned in-process ZDS channel (a socket client or the agent feeds it). Registers
-/// [`SNAPSHOT_TASK`] in `ready`.
+/// [`PROXY_MANAGER_TASK`] in `ready`.
 pub fn start_proxy(
     cfg: &ProxyConfig,
     state: StateHandle,
@@ -202,10 +208,14 @@ pub fn start_proxy(
     });
     let proxies = ProxyManager::new(ctx);
     let (link, rx) = zds::channel();
-    let snapshot = ready.register(SNAPSHOT_TASK);
-    tokio::spawn(proxies.clone().run(rx, move || {
-        tracing::info!("ZDS snapshot applied");
-        snapshot.done();
+    let manager = ready.register(PROXY_MANAGER_TASK);
+    tokio::spawn(proxies.clone().run(rx, move |ready| {
+        manager.set_ready(ready);
+        if ready {
+            tracing::info!("workload proxy manager ready (snapshot applied)");
+        } else {
+            tracing::warn!("workload proxy manager not ready (a workload failed to start)");
+        }
     }));
     Ok((proxies, link))
 }
@@ -345,23 +355,52 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn the_proxy_is_ready_once_the_first_snapshot_is_applied() {
+    #[tokio::test(start_paused = true)]
+    async fn the_proxy_is_ready_once_the_snapshot_is_applied_and_no_workload_failed() {
         let dir = tempfile::tempdir().expect("tempdir");
         let ready = ready::Readiness::new();
         let state = StateHandle::new(state::ProxyState::default());
         let (_proxies, link) =
             start_proxy(&proxy_config(dir.path()), state, &ready).expect("proxy");
-        assert_eq!(ready.pending_tasks(), [SNAPSHOT_TASK]);
-        // a Keep or Del before the snapshot's end changes nothing
-        link.send(WorkloadRequest::Del { uid: "gone".into() })
-            .await
-            .expect("ack");
-        assert_eq!(ready.pending_tasks(), [SNAPSHOT_TASK]);
+        assert_eq!(ready.pending_tasks(), [PROXY_MANAGER_TASK]);
+        // a workload the state does not know fails to start (after the 5 s wait, paused time)
+        let add = WorkloadRequest::Add {
+            uid: "unknown".into(),
+            info: WorkloadInfo {
+                name: "nobody".into(),
+                namespace: "default".into(),
+                service_account: "x".into(),
+            },
+            netns: crate::netns::Netns::current().expect("netns"),
+        };
+        assert!(link.send(add).await.is_err(), "the Add is nacked");
         link.send(WorkloadRequest::SnapshotSent).await.expect("ack");
+        assert_eq!(
+            ready.pending_tasks(),
+            [PROXY_MANAGER_TASK],
+            "a failed workload keeps it pending"
+        );
+        link.send(WorkloadRequest::Del {
+            uid: "unknown".into(),
+        })
+        .await
+        .expect("ack");
         assert!(ready.is_ready(), "{:?}", ready.pending_tasks());
         // later snapshots (a reconnected agent) keep it ready
         link.send(WorkloadRequest::SnapshotSent).await.expect("ack");
         assert!(ready.is_ready());
+    }
+
+    #[tokio::test]
+    async fn nothing_is_ready_before_the_snapshot() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ready = ready::Readiness::new();
+        let state = StateHandle::new(state::ProxyState::default());
+        let (_proxies, link) =
+            start_proxy(&proxy_config(dir.path()), state, &ready).expect("proxy");
+        link.send(WorkloadRequest::Del { uid: "gone".into() })
+            .await
+            .expect("ack");
+        assert_eq!(ready.pending_tasks(), [PROXY_MANAGER_TASK]);
     }
 }

@@ -288,9 +288,16 @@ fn authorization_policies_reject_inbound_connections() {
     let denied = SocketAddr::new(node.server.ip, 9999);
     let listener = Lab::listen_in(&server_ns, denied).expect("listen");
     listener.set_nonblocking(true).expect("nonblocking");
-    for (ns, src) in [
-        (&client_ns, node.client.ip),
-        (&outsider_ns, node.outsider.ip),
+    // (client netns, source address, what the inbound line must also say)
+    for (ns, src, extra) in [
+        // over HBONE: the peer identity is known
+        (
+            &client_ns,
+            node.client.ip,
+            "src.identity=\"spiffe://cluster.local/ns/default/sa/alice\"",
+        ),
+        // plaintext through 15006
+        (&outsider_ns, node.outsider.ip, "direction=\"inbound\""),
     ] {
         let mut c = Lab::connect_from(ns, denied).expect("connect to the capture");
         c.set_read_timeout(Some(Duration::from_secs(10)))
@@ -305,10 +312,16 @@ fn authorization_policies_reject_inbound_connections() {
                 "direction=\"inbound\"",
                 &format!("src.addr={src}"),
                 "connection closed due to policy rejection: allow policies exist, but none allowed",
+                extra,
             ],
             Duration::from_secs(5),
         );
     }
+    // the client's proxy got the HBONE server's 401
+    node.wait_log(
+        &["direction=\"outbound\"", "answered 401 Unauthorized"],
+        Duration::from_secs(5),
+    );
     assert_eq!(
         listener.accept().map(|_| ()).map_err(|e| e.kind()),
         Err(std::io::ErrorKind::WouldBlock),

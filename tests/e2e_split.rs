@@ -287,10 +287,10 @@ fn agent_and_proxy_as_separate_processes_over_zds() {
         &["pod proxy listening", "sa/bob"],
         Duration::from_secs(5),
     );
-    // ready once the snapshot is applied (pending until then: "ZDS snapshot")
+    // ready once connected and the snapshot is applied
     wait_log(
         &proxy.log,
-        &["ZDS snapshot applied"],
+        &["workload proxy manager ready"],
         Duration::from_secs(5),
     );
     let (status, body) = readiness(&lab);

@@ -1,9 +1,9 @@
 //! L4 authorization of inbound connections, with ztunnel's semantics (`src/rbac.rs`,
 //! `../shared/spec/ztunnel.md` §6).
 //!
-//! The policies that apply to a destination workload are the `Global` ones, the `Namespace`
-//! ones of its namespace and the `WorkloadSelector` ones it names in `authorizationPolicies`
-//! (`namespace/name`). Dry-run policies are evaluated and logged, never enforced. Then: any
+//! The policies that apply to a destination workload are, as ztunnel indexes them, the `Global`
+//! ones (and `Namespace` ones of namespace ""), the `Namespace` ones of its namespace, and the
+//! ones it names in `authorizationPolicies` (`namespace/name`). Dry-run policies are evaluated and logged, never enforced. Then: any
 //! matching DENY rejects; without ALLOW policies the connection is allowed; otherwise one ALLOW
 //! must match.
 //!
@@ -50,7 +50,7 @@ pub fn check(state: &ProxyState, dst: &Workload, conn: &Connection<'_>) -> Resul
     for policy in state.policies().filter(|p| applies(p, dst)) {
         let matched = policy_matches(policy, conn);
         if policy.dry_run {
-            tracing::info!(
+            tracing::debug!(
                 policy = %key(policy),
                 action = ?policy.action,
                 matched,
@@ -79,10 +79,15 @@ fn key(p: &LocalPolicy) -> String {
 }
 
 fn applies(p: &LocalPolicy, dst: &Workload) -> bool {
+    let named = || {
+        dst.authorization_policies
+            .iter()
+            .any(|k| k.split_once('/') == Some((p.namespace.as_str(), p.name.as_str())))
+    };
     match p.scope {
         PolicyScope::Global => true,
-        PolicyScope::Namespace => p.namespace == dst.namespace,
-        PolicyScope::WorkloadSelector => dst.authorization_policies.contains(&key(p)),
+        PolicyScope::Namespace => p.namespace.is_empty() || p.namespace == dst.namespace || named(),
+        PolicyScope::WorkloadSelector => named(),
     }
 }
 

@@ -6,7 +6,7 @@
 //! already runs with the same netns is acked without change; with another netns (sandbox recreated)
 //! the old set is stopped first. A Del stops the set and every connection it carries immediately.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -148,27 +148,41 @@ impl ProxyManager {
     }
 
     /// Serves agent requests until the channel closes; answers each with an ack or nack text.
-    /// `on_snapshot` runs once, after the first `SnapshotSent`: from then on every pod the agent
-    /// had enrolled is served (ztunnel reports ready only from that point).
-    pub async fn run(self: Arc<Self>, mut rx: ZdsReceiver, on_snapshot: impl FnOnce() + Send) {
-        let mut on_snapshot = Some(on_snapshot);
+    ///
+    /// `on_ready` follows ztunnel's "workload proxy manager" readiness: it is called with `true`
+    /// once the first `SnapshotSent` arrived while no workload's start has failed (a failed Add
+    /// stays pending until a later Add of that uid succeeds or a Del removes it), and with `false`
+    /// when that stops holding. Each change is reported before the request's ack.
+    pub async fn run(self: Arc<Self>, mut rx: ZdsReceiver, mut on_ready: impl FnMut(bool) + Send) {
+        let mut snapshot = false;
+        let mut failed: HashSet<String> = HashSet::new();
+        let mut ready = false;
         while let Some((req, ack)) = rx.recv().await {
-            if matches!(req, WorkloadRequest::SnapshotSent)
-                && let Some(f) = on_snapshot.take()
-            {
-                f();
-            }
             let res = match req {
-                WorkloadRequest::Add { uid, info, netns } => self
-                    .add(uid, info, netns)
-                    .await
-                    .map_err(|e| format!("failure to start proxy : {e}")),
+                WorkloadRequest::Add { uid, info, netns } => {
+                    let res = self.add(uid.clone(), info, netns).await;
+                    if res.is_ok() {
+                        failed.remove(&uid);
+                    } else {
+                        failed.insert(uid);
+                    }
+                    res.map_err(|e| format!("failure to start proxy : {e}"))
+                }
                 WorkloadRequest::Del { uid } => {
                     self.del(&uid);
+                    failed.remove(&uid);
                     Ok(())
                 }
-                WorkloadRequest::Keep { .. } | WorkloadRequest::SnapshotSent => Ok(()),
+                WorkloadRequest::SnapshotSent => {
+                    snapshot = true;
+                    Ok(())
+                }
+                WorkloadRequest::Keep { .. } => Ok(()),
             };
+            if ready != (snapshot && failed.is_empty()) {
+                ready = !ready;
+                on_ready(ready);
+            }
             let _ = ack.send(res);
         }
         self.stop_all();

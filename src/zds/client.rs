@@ -111,12 +111,15 @@ type Handled = Result<Option<String>, ClientError>;
 
 /// Connects to the agent at `path` and serves its requests through `proxy` until `shutdown`
 /// resolves (`Ok`), reconnecting with backoff when the socket is absent or the connection ends.
+/// `on_connection` is called with `true` once the hello is sent and with `false` when that
+/// connection ends.
 ///
 /// Errors: a protocol error from the agent or a stopped proxy ([`ClientError::is_fatal`]).
 pub async fn run(
     path: PathBuf,
     proxy: ZdsClient,
     shutdown: impl Future<Output = ()>,
+    mut on_connection: impl FnMut(bool),
 ) -> Result<(), ClientError> {
     tokio::pin!(shutdown);
     let mut state = SnapshotState::default();
@@ -125,8 +128,9 @@ pub async fn run(
     loop {
         let Err(e) = tokio::select! {
             _ = &mut shutdown => return Ok(()),
-            r = session(&path, &proxy, &mut state, &mut delay) => r,
+            r = session(&path, &proxy, &mut state, &mut delay, &mut on_connection) => r,
         };
+        on_connection(false);
         match e {
             e if e.is_fatal() => return Err(e),
             ClientError::Packet(PacketError::Io { op: "connect", .. }) if quiet => {}
@@ -153,6 +157,7 @@ async fn session(
     proxy: &ZdsClient,
     state: &mut SnapshotState,
     delay: &mut Duration,
+    on_connection: &mut impl FnMut(bool),
 ) -> Result<Infallible, ClientError> {
     let sock = packet::connect(path)?;
     sock.send(
@@ -163,6 +168,7 @@ async fn session(
     )
     .await?;
     tracing::info!(socket = %path.display(), "connected to the node agent");
+    on_connection(true);
     *delay = BACKOFF_START;
     state.connected();
     loop {

@@ -114,7 +114,35 @@ impl Agent {
 }
 
 fn spawn_client(path: &Path, link: ZdsClient) -> JoinHandle<Result<(), client::ClientError>> {
-    tokio::spawn(client::run(path.to_owned(), link, std::future::pending()))
+    spawn_watched_client(path, link).0
+}
+
+/// [`spawn_client`], plus whether it is connected (its `on_connection` reports).
+fn spawn_watched_client(
+    path: &Path,
+    link: ZdsClient,
+) -> (
+    JoinHandle<Result<(), client::ClientError>>,
+    watch::Receiver<bool>,
+) {
+    let (tx, rx) = watch::channel(false);
+    let task = tokio::spawn(client::run(
+        path.to_owned(),
+        link,
+        std::future::pending(),
+        move |up| {
+            let _ = tx.send(up);
+        },
+    ));
+    (task, rx)
+}
+
+/// Waits until the watched client's connection state is `up`.
+async fn wait_connected(rx: &mut watch::Receiver<bool>, up: bool) {
+    tokio::time::timeout(WAIT, rx.wait_for(|u| *u == up))
+        .await
+        .unwrap_or_else(|_| panic!("client never reported connected = {up}"))
+        .expect("client alive");
 }
 
 async fn next(seen: &mut mpsc::UnboundedReceiver<Seen>) -> Seen {
@@ -224,15 +252,17 @@ async fn reconnect_resends_the_snapshot_and_drops_stale_workloads() {
     let path = sock_path(&dir);
     let agent = Agent::start(&path);
     let (link, mut seen) = fake_proxy(HashMap::new());
-    let client = spawn_client(&path, link);
+    let (client, mut connected) = spawn_watched_client(&path, link);
     expect_seen(&mut seen, &[Seen::SnapshotSent]).await;
+    wait_connected(&mut connected, true).await;
     agent.server.send(add("a")).await.expect("add a");
     agent.server.send(add("b")).await.expect("add b");
     expect_seen(&mut seen, &[seen_add("a"), seen_add("b")]).await;
 
-    // the agent restarts with only pod a (b went away while it was down): the client reconnects,
-    // gets a in the snapshot and stops b
+    // the agent restarts with only pod a (b went away while it was down): the client reports the
+    // lost connection, reconnects, gets a in the snapshot and stops b
     agent.shutdown().await;
+    wait_connected(&mut connected, false).await;
     let server = ZdsServer::new();
     assert!(matches!(
         server.send(add("a")).await,
@@ -244,6 +274,7 @@ async fn reconnect_resends_the_snapshot_and_drops_stale_workloads() {
         &[seen_add("a"), Seen::Del("b".into()), Seen::SnapshotSent],
     )
     .await;
+    wait_connected(&mut connected, true).await;
 
     // the proxy restarts: a new connection gets the full snapshot again
     agent.server.send(add("c")).await.expect("add c");

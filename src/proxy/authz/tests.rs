@@ -11,7 +11,13 @@ workloads:
   serviceAccount: bob
   workloadIps: ["10.0.0.3"]
   protocol: HBONE
-  authorizationPolicies: ["default/selected"]
+  authorizationPolicies: ["default/selected", "other/named"]
+- uid: cluster1//v1/Pod/default/neighbour
+  name: neighbour
+  namespace: default
+  serviceAccount: dave
+  workloadIps: ["10.0.0.5"]
+  protocol: HBONE
 - uid: cluster1//v1/Pod/other/elsewhere
   name: elsewhere
   namespace: other
@@ -204,4 +210,114 @@ fn not_destination_ips_and_destination_ips() {
         ..plaintext(80)
     };
     assert_eq!(check(&st, &elsewhere, &to_other), Ok(()));
+}
+
+/// [`check`] of a plaintext connection (10.9.0.1) to the named workload's IP and `port`.
+fn plaintext_to(st: &ProxyState, name: &str, port: u16) -> Result<(), Denied> {
+    let w = workload(st, name);
+    let conn = Connection {
+        dst: SocketAddr::new(w.workload_ips[0], port),
+        ..plaintext(port)
+    };
+    check(st, &w, &conn)
+}
+
+fn denied_by(key: &str) -> Result<(), Denied> {
+    Err(Denied::Explicit(key.into()))
+}
+
+#[test]
+fn global_policies_apply_in_every_namespace_and_selector_ones_only_where_named() {
+    let st = state(
+        "- {name: global, namespace: istio-system, scope: Global, action: Deny, rules: [[[{destinationPorts: [81]}]]]}\n\
+         - {name: selected, namespace: default, scope: WorkloadSelector, action: Deny, rules: [[[{destinationPorts: [80]}]]]}\n",
+    );
+    assert_eq!(
+        plaintext_to(&st, "elsewhere", 81),
+        denied_by("istio-system/global")
+    );
+    assert_eq!(
+        plaintext_to(&st, "server", 80),
+        denied_by("default/selected")
+    );
+    // same namespace as the server, but it does not name the selector policy
+    assert_eq!(plaintext_to(&st, "neighbour", 80), Ok(()));
+}
+
+#[test]
+fn one_matching_allow_among_several_is_enough() {
+    let st = state(
+        "- {name: ports, namespace: default, scope: Namespace, action: Allow, rules: [[[{destinationPorts: [80]}]]]}\n\
+         - {name: bob-only, namespace: default, scope: Namespace, action: Allow, rules: [[[{serviceAccounts: [{namespace: default, serviceAccount: bob}]}]]]}\n",
+    );
+    let server = workload(&st, "server");
+    let id = alice();
+    assert_eq!(check(&st, &server, &from_alice(&id, 80)), Ok(()));
+    assert_eq!(
+        check(&st, &server, &from_alice(&id, 81)),
+        Err(Denied::NotAllowed)
+    );
+}
+
+#[test]
+fn a_matching_dry_run_allow_does_not_allow() {
+    let st = state(
+        "- {name: dry, namespace: default, scope: Namespace, action: Allow, dryRun: true, rules: [[[{destinationPorts: [80]}]]]}\n\
+         - {name: real, namespace: default, scope: Namespace, action: Allow, rules: [[[{destinationPorts: [81]}]]]}\n",
+    );
+    let server = workload(&st, "server");
+    assert_eq!(check(&st, &server, &plaintext(80)), Err(Denied::NotAllowed));
+}
+
+#[test]
+fn principal_and_negated_identity_and_source_fields() {
+    let id = alice();
+    let cases: [(&str, bool, bool); 6] = [
+        // (match, alice from 10.0.0.2 allowed, plaintext from 10.9.0.1 allowed)
+        ("{principals: [{Suffix: /sa/alice}]}", true, false),
+        (
+            "{principals: [{Prefix: cluster.local/ns/other/}]}",
+            false,
+            false,
+        ),
+        (
+            "{notPrincipals: [{Exact: cluster.local/ns/default/sa/alice}]}",
+            false,
+            true,
+        ),
+        ("{notNamespaces: [{Exact: default}]}", false, true),
+        ("{notSourceIps: [10.0.0.0/24]}", false, true),
+        ("{sourceIps: [10.9.0.0/16]}", false, true),
+    ];
+    for (m, alice_ok, plaintext_ok) in cases {
+        let st = state(&format!(
+            "- {{name: p, namespace: default, scope: Namespace, action: Allow, rules: [[[{m}]]]}}\n"
+        ));
+        let server = workload(&st, "server");
+        assert_eq!(
+            check(&st, &server, &from_alice(&id, 80)).is_ok(),
+            alice_ok,
+            "{m}: alice"
+        );
+        assert_eq!(
+            check(&st, &server, &plaintext(80)).is_ok(),
+            plaintext_ok,
+            "{m}: plaintext"
+        );
+    }
+}
+
+#[test]
+fn a_namespace_policy_without_namespace_and_a_named_one_apply_as_in_ztunnel() {
+    // namespace "" is where ztunnel keeps global policies; a workload's named policies apply
+    // whatever their scope
+    let st = state(
+        "- {name: rootless, scope: Namespace, action: Deny, rules: [[[{destinationPorts: [82]}]]]}\n\
+         - {name: named, namespace: other, scope: Namespace, action: Deny, rules: [[[{destinationPorts: [83]}]]]}\n",
+    );
+    assert_eq!(plaintext_to(&st, "neighbour", 82), denied_by("/rootless"));
+    // `other/named`: in its own namespace, and where a workload names it
+    assert_eq!(plaintext_to(&st, "elsewhere", 83), denied_by("other/named"));
+    assert_eq!(plaintext_to(&st, "server", 83), denied_by("other/named"));
+    assert_eq!(plaintext_to(&st, "neighbour", 83), Ok(()));
 }
