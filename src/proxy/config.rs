@@ -4,7 +4,7 @@
 //! This module holds the raw serde shapes. Every struct rejects unknown keys, and values are
 //! typed as they are parsed (IPs, `network/ip` VIPs, ports, enums), so a parse error names the
 //! offending key with its place, e.g. `workloads[0].protocol: unknown variant ...`. Cross-record
-//! checks (duplicate IPs, names, VIPs) happen when the state is built (`proxy::state`).
+//! checks (duplicate IPs, names, VIPs, policy keys) happen when the state is built (`proxy::state`).
 
 use std::collections::BTreeMap;
 use std::net::{AddrParseError, IpAddr};
@@ -133,6 +133,16 @@ pub enum ConfigError {
         /// The earlier service, e.g. `services[0]`.
         first: String,
         /// The later service.
+        second: String,
+    },
+    /// Two policies share `namespace/name` (workloads reference policies by that key).
+    #[error("{second}: policy {key} is already defined by {first}")]
+    DuplicatePolicy {
+        /// `namespace/name`.
+        key: String,
+        /// The earlier policy, e.g. `policies[0]`.
+        first: String,
+        /// The later policy.
         second: String,
     },
     /// Two services share a VIP.

@@ -327,7 +327,19 @@ impl ProxyState {
             st.services.push(s);
         }
 
-        st.policies = cfg.policies.iter().cloned().map(Arc::new).collect();
+        let mut policy_owner: HashMap<(&str, &str), usize> = HashMap::new();
+        for (i, p) in cfg.policies.iter().enumerate() {
+            let key = (p.namespace.as_str(), p.name.as_str());
+            if let Some(&j) = policy_owner.get(&key) {
+                return Err(ConfigError::DuplicatePolicy {
+                    key: format!("{}/{}", p.namespace, p.name),
+                    first: format!("policies[{j}]"),
+                    second: format!("policies[{i}]"),
+                });
+            }
+            policy_owner.insert(key, i);
+            st.policies.push(Arc::new(p.clone()));
+        }
         Ok(st)
     }
 

@@ -146,6 +146,17 @@ fn other_duplicates_are_rejected() {
     .unwrap_err();
     assert!(matches!(e, ConfigError::DuplicateVip { .. }), "{e}");
     assert!(e.to_string().contains("services[1] (ns/b.example)"), "{e}");
+    let policy =
+        |ns: &str| format!("- {{name: p, namespace: {ns}, scope: Namespace, action: Deny}}\n");
+    let e = state(&format!("policies:\n{}{}", policy("ns"), policy("ns"))).unwrap_err();
+    assert!(matches!(e, ConfigError::DuplicatePolicy { .. }), "{e}");
+    assert_eq!(
+        e.to_string(),
+        "policies[1]: policy ns/p is already defined by policies[0]"
+    );
+    // the same name in another namespace is another policy
+    let st = state(&format!("policies:\n{}{}", policy("ns"), policy("other"))).unwrap();
+    assert_eq!(st.policies().count(), 2);
 }
 
 #[test]
