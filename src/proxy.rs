@@ -14,6 +14,7 @@ pub mod inbound;
 pub mod outbound;
 pub mod pods;
 pub mod pool;
+pub mod route;
 pub mod socket;
 pub mod state;
 pub mod task;

@@ -328,3 +328,60 @@ fn authorization_policies_reject_inbound_connections() {
         "the app must not see a denied connection"
     );
 }
+
+/// A service at VIP 10.249.0.200:80 (-> 8080 on the server) whose waypoint is the server pod
+/// itself: an HBONE server that is not a real waypoint, so it refuses the CONNECT for the VIP.
+const SERVICE_WITH_WAYPOINT: &str = "services:
+- name: svc
+  namespace: default
+  hostname: svc.example
+  vips: [\"/10.249.0.200\"]
+  ports: {80: 8080}
+  waypoint: {destination: \"/10.249.0.3\", hboneMtlsPort: 15008}
+  endpoints:
+    server: {workloadUid: cluster1//v1/Pod/default/server}
+";
+
+#[test]
+fn service_traffic_goes_through_its_waypoint_never_around_it() {
+    if !common::privileged("service_traffic_goes_through_its_waypoint_never_around_it") {
+        return;
+    }
+    let node = MeshNode::start_with(&common::prefix("e2w"), SERVICE_WITH_WAYPOINT);
+    let server_ns = Netns::open(&node.server.netns_path).expect("server netns");
+    let client_ns = Netns::open(&node.client.netns_path).expect("client netns");
+    let app = SocketAddr::new(node.server.ip, 8080);
+    let listener = Lab::listen_in(&server_ns, app).expect("listen");
+    listener.set_nonblocking(true).expect("nonblocking");
+
+    let vip: SocketAddr = "10.249.0.200:80".parse().expect("vip");
+    let mut c = Lab::connect_from(&client_ns, vip).expect("connect to the VIP");
+    c.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let _ = c.write_all(b"to the service");
+    let mut back = Vec::new();
+    let _ = c.read_to_end(&mut back);
+    assert!(back.is_empty(), "got data: {back:?}");
+    // the CONNECT went to the waypoint (the server's 15008) for the VIP, which refused it
+    node.wait_log(
+        &[
+            "direction=\"outbound\"",
+            "dst.addr=10.249.0.200:80",
+            "HBONE CONNECT to 10.249.0.3:15008 answered 400",
+        ],
+        Duration::from_secs(5),
+    );
+    node.wait_log(
+        &[
+            "direction=\"inbound\"",
+            "ip mismatch: 10.249.0.200 != 10.249.0.3",
+        ],
+        Duration::from_secs(5),
+    );
+    // and nothing reached the app behind the service directly
+    assert_eq!(
+        listener.accept().map(|_| ()).map_err(|e| e.kind()),
+        Err(std::io::ErrorKind::WouldBlock),
+        "the waypoint was bypassed"
+    );
+}

@@ -1,10 +1,10 @@
 //! Outbound: connections the pod's app opens, captured on 15001.
 //!
-//! The original destination (SO_ORIGINAL_DST) picks the path: a service VIP resolves to one of its
-//! endpoints (service port mapped to the target port); a destination workload with protocol HBONE
-//! gets an HBONE CONNECT to `<pod ip>:15008` with `:authority` = `<pod ip>:<port>`; anything else
-//! (unknown IP, protocol TCP) is passed through as plain TCP. Loopback self-calls to the proxy ports
-//! are refused.
+//! The original destination (SO_ORIGINAL_DST) picks the path ([`route`]): a service VIP resolves
+//! to its waypoint or to one of its endpoints (service port mapped to the target port); a
+//! destination workload with protocol HBONE gets an HBONE CONNECT to `<pod ip>:15008` (or to its
+//! waypoint) with `:authority` = `<pod ip>:<port>`; anything else (unknown IP, protocol TCP) is
+//! passed through as plain TCP. Loopback self-calls to the proxy ports are refused.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -16,11 +16,10 @@ use tokio::net::TcpStream;
 
 use crate::proxy::accesslog::{ConnectionLog, Direction};
 use crate::proxy::copy::{self, Transferred};
-use crate::proxy::hbone::{self, HBONE_PORT, ILLEGAL_PORTS};
-use crate::proxy::identity::Identity;
+use crate::proxy::hbone::{self, ILLEGAL_PORTS};
 use crate::proxy::pods::PodProxy;
 use crate::proxy::pool::{CONNECT_TIMEOUT, PoolError, PoolKey};
-use crate::proxy::state::Protocol;
+use crate::proxy::route::{self, RouteError};
 use crate::proxy::task::{self, ClientSide, Logged};
 
 /// Errors of one outbound connection.
@@ -44,9 +43,9 @@ pub enum OutboundError {
     /// Passthrough connect failed.
     #[error(transparent)]
     Socket(#[from] crate::proxy::socket::SocketError),
-    /// A service VIP without endpoints.
-    #[error("service {0} has no endpoints")]
-    NoEndpoints(String),
+    /// No route (a service without endpoints, an unresolvable waypoint).
+    #[error(transparent)]
+    Route(#[from] RouteError),
     /// Building the request failed.
     #[error("bad request: {0}")]
     Request(#[source] http::Error),
@@ -86,25 +85,27 @@ async fn setup(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) -> Option
         log.failed(&pod.ctx.metrics, &OutboundError::SelfCall(dst));
         return None;
     }
-    let (target, dst_identity) = match route(&pod, dst, client) {
+    let state = pod.ctx.state.load();
+    let route = match route::route(&state, &pod.workload, dst, client) {
         Ok(r) => r,
         Err(e) => {
-            log.failed(&pod.ctx.metrics, &e);
+            log.failed(&pod.ctx.metrics, &OutboundError::Route(e));
             return None;
         }
     };
-    log.dst = target;
-    let relay = match dst_identity {
-        Some(dst_identity) => {
-            let hbone_addr = SocketAddr::new(target.ip(), HBONE_PORT);
-            log.hbone_addr = Some(hbone_addr);
-            log.dst_identity = Some(dst_identity.clone());
+    drop(state);
+    log.dst = route.target;
+    let target = route.target;
+    let relay = match route.hbone {
+        Some(hbone) => {
+            log.hbone_addr = Some(hbone.addr);
+            log.dst_identity = Some(hbone.identity.clone());
             let key = PoolKey {
                 src: pod.identity.clone(),
-                dst: dst_identity,
-                addr: hbone_addr,
+                dst: hbone.identity,
+                addr: hbone.addr,
             };
-            match connect_hbone(&pod, key, client, target).await {
+            match connect_hbone(&pod, key, client, hbone.authority).await {
                 Ok((send, recv)) => Either::Left(copy::relay_h2(tcp, send, recv)),
                 Err(e) => {
                     log.failed(&pod.ctx.metrics, &e);
@@ -124,53 +125,6 @@ async fn setup(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) -> Option
         },
     };
     Some(Logged::new(pod.ctx.clone(), log, relay))
-}
-
-/// Resolves the original destination against the current state: a service VIP becomes one of its
-/// endpoints (service port mapped to the target port). Returns the target and, when the target is
-/// a workload reached over HBONE, its identity (`None` = plain TCP passthrough).
-fn route(
-    pod: &PodProxy,
-    dst: SocketAddr,
-    client: SocketAddr,
-) -> Result<(SocketAddr, Option<Identity>), OutboundError> {
-    let state = pod.ctx.state.load();
-    let mut target = dst;
-    if let Some(svc) = state.service_by_vip(dst.ip()) {
-        let port = svc.ports.get(&dst.port()).copied().unwrap_or(dst.port());
-        let endpoints = state.endpoints(&svc);
-        let key = format!("{}/{}", svc.namespace, svc.hostname);
-        let Some(ep) = pick(&endpoints, client) else {
-            return Err(OutboundError::NoEndpoints(key));
-        };
-        let port = ep
-            .services
-            .get(&key)
-            .and_then(|m| m.get(&dst.port()).copied())
-            .unwrap_or(port);
-        let ip = ep
-            .workload_ips
-            .iter()
-            .copied()
-            .find(|i| i.is_ipv4() == dst.is_ipv4())
-            .or(ep.workload_ips.first().copied());
-        if let Some(ip) = ip {
-            target = SocketAddr::new(ip, port);
-        }
-    }
-    let hbone = state
-        .workload_by_ip(target.ip())
-        .filter(|w| w.protocol == Protocol::Hbone)
-        .map(|w| w.identity());
-    Ok((target, hbone))
-}
-
-/// Picks an endpoint deterministically per client port (simple spread without randomness).
-fn pick<T>(endpoints: &[T], client: SocketAddr) -> Option<&T> {
-    if endpoints.is_empty() {
-        return None;
-    }
-    endpoints.get(client.port() as usize % endpoints.len())
 }
 
 async fn connect_hbone(

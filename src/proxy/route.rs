@@ -1,0 +1,192 @@
+//! Outbound routing: where a captured connection goes, following ztunnel's `build_request`
+//! (`../shared/spec/ztunnel.md` §3 "Waypoints").
+//!
+//! - A service VIP with a waypoint goes over HBONE to the waypoint (`ip:hboneMtlsPort`), the
+//!   `:authority` being the original `VIP:port` and the expected identity the waypoint's.
+//! - Any other service VIP becomes one of its endpoints (service port mapped to the target port).
+//! - A workload addressed directly, with a waypoint of its own, goes to that waypoint likewise
+//!   (authority = `pod IP:port`).
+//! - An HBONE workload is reached at `pod IP:15008` with `:authority` = `pod IP:target port`;
+//!   anything else is plain TCP to the target.
+//!
+//! Traffic from the waypoint itself is not sent back to it. A waypoint that cannot be resolved
+//! to a workload is an error: the connection fails rather than bypassing the waypoint.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use crate::proxy::config::{GatewayAddress, GatewayDestination};
+use crate::proxy::hbone::HBONE_PORT;
+use crate::proxy::identity::Identity;
+use crate::proxy::state::{Protocol, ProxyState, Workload};
+
+/// Where an outbound connection goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Route {
+    /// The destination as logged: the chosen endpoint (pod IP + target port), or the original
+    /// destination when a waypoint takes it.
+    pub target: SocketAddr,
+    /// The HBONE leg; `None` = plain TCP to `target`.
+    pub hbone: Option<Hbone>,
+}
+
+/// An HBONE CONNECT: to whom, for what, and which identity the peer must prove.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hbone {
+    /// TCP address of the HBONE server: the pod's `ip:15008`, or the waypoint's.
+    pub addr: SocketAddr,
+    /// The CONNECT `:authority`.
+    pub authority: SocketAddr,
+    /// The identity the peer's certificate must carry.
+    pub identity: Identity,
+}
+
+/// Why a connection has no route.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RouteError {
+    /// A service VIP without endpoints (`namespace/hostname`).
+    #[error("service {0} has no endpoints")]
+    NoEndpoints(String),
+    /// The destination has a waypoint that resolves to no workload.
+    #[error("{of} has waypoint {waypoint}, which resolves to no workload")]
+    NoWaypoint {
+        /// The service (`namespace/hostname`) or workload (`namespace/name`).
+        of: String,
+        /// The waypoint as configured.
+        waypoint: String,
+    },
+}
+
+/// Routes a connection from `src` (the pod's workload) to the original destination `dst`;
+/// `client` (the app's address) spreads the choice among endpoints.
+///
+/// Errors: [`RouteError`].
+pub fn route(
+    state: &ProxyState,
+    src: &Workload,
+    dst: SocketAddr,
+    client: SocketAddr,
+) -> Result<Route, RouteError> {
+    let mut target = dst;
+    if let Some(svc) = state.service_by_vip(dst.ip()) {
+        let key = format!("{}/{}", svc.namespace, svc.hostname);
+        if let Some(wp) = &svc.waypoint
+            && let Some(route) = via_waypoint(state, wp, src, dst, client, &key)?
+        {
+            return Ok(route);
+        }
+        let endpoints = state.endpoints(&svc);
+        let Some(ep) = pick(&endpoints, client) else {
+            return Err(RouteError::NoEndpoints(key));
+        };
+        let port = ep
+            .services
+            .get(&key)
+            .and_then(|m| m.get(&dst.port()).copied())
+            .or_else(|| svc.ports.get(&dst.port()).copied())
+            .unwrap_or(dst.port());
+        if let Some(ip) = ip_like(ep, dst) {
+            target = SocketAddr::new(ip, port);
+        }
+        return Ok(Route {
+            target,
+            hbone: direct_hbone(state, target),
+        });
+    }
+    if let Some(w) = state.workload_by_ip(dst.ip())
+        && let Some(wp) = &w.waypoint
+    {
+        let of = format!("{}/{}", w.namespace, w.name);
+        if let Some(route) = via_waypoint(state, wp, src, dst, client, &of)? {
+            return Ok(route);
+        }
+    }
+    Ok(Route {
+        target,
+        hbone: direct_hbone(state, target),
+    })
+}
+
+/// HBONE straight to the workload owning `target`, if it speaks HBONE.
+fn direct_hbone(state: &ProxyState, target: SocketAddr) -> Option<Hbone> {
+    state
+        .workload_by_ip(target.ip())
+        .filter(|w| w.protocol == Protocol::Hbone)
+        .map(|w| Hbone {
+            addr: SocketAddr::new(target.ip(), HBONE_PORT),
+            authority: target,
+            identity: w.identity(),
+        })
+}
+
+/// The route through waypoint `wp` for traffic to `dst` (of service or workload `of`), or
+/// `None` when `src` is that waypoint.
+fn via_waypoint(
+    state: &ProxyState,
+    wp: &GatewayAddress,
+    src: &Workload,
+    dst: SocketAddr,
+    client: SocketAddr,
+    of: &str,
+) -> Result<Option<Route>, RouteError> {
+    let waypoints = waypoint_workloads(state, wp);
+    if waypoints.iter().any(|w| w.uid == src.uid) {
+        return Ok(None);
+    }
+    let no_waypoint = || RouteError::NoWaypoint {
+        of: of.to_owned(),
+        waypoint: describe(wp),
+    };
+    let w = pick(&waypoints, client).ok_or_else(no_waypoint)?;
+    let ip = ip_like(w, dst).ok_or_else(no_waypoint)?;
+    Ok(Some(Route {
+        target: dst,
+        hbone: Some(Hbone {
+            addr: SocketAddr::new(ip, wp.hbone_mtls_port),
+            authority: dst,
+            identity: w.identity(),
+        }),
+    }))
+}
+
+/// The workloads a waypoint reference stands for: the endpoints of its service (by VIP or
+/// hostname), or the workload owning its address.
+fn waypoint_workloads(state: &ProxyState, wp: &GatewayAddress) -> Vec<Arc<Workload>> {
+    match &wp.destination {
+        GatewayDestination::Address(a) => match state.service_by_vip(a.address) {
+            Some(svc) => state.endpoints(&svc),
+            None => state.workload_by_ip(a.address).into_iter().collect(),
+        },
+        GatewayDestination::Hostname(h) => state
+            .service_by_key(&format!("{}/{}", h.namespace, h.hostname))
+            .map(|svc| state.endpoints(&svc))
+            .unwrap_or_default(),
+    }
+}
+
+fn describe(wp: &GatewayAddress) -> String {
+    match &wp.destination {
+        GatewayDestination::Address(a) => format!("{}/{}", a.network, a.address),
+        GatewayDestination::Hostname(h) => format!("{}/{}", h.namespace, h.hostname),
+    }
+}
+
+/// The workload's IP of `dst`'s family, else its first.
+fn ip_like(w: &Workload, dst: SocketAddr) -> Option<std::net::IpAddr> {
+    w.workload_ips
+        .iter()
+        .copied()
+        .find(|i| i.is_ipv4() == dst.is_ipv4())
+        .or(w.workload_ips.first().copied())
+}
+
+/// Picks an endpoint deterministically per client port (simple spread without randomness).
+fn pick<T>(endpoints: &[T], client: SocketAddr) -> Option<&T> {
+    if endpoints.is_empty() {
+        return None;
+    }
+    endpoints.get(client.port() as usize % endpoints.len())
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,194 @@
+use super::*;
+use crate::proxy::config::parse_local_config;
+
+/// Workloads: client (10.0.0.2), server (10.0.0.3, behind service `default/svc` at 10.96.0.1:80 ->
+/// 8080), waypoint (10.0.0.9, behind service `default/wp` at 10.96.0.9), plain (10.0.0.5, TCP),
+/// and `guarded` (10.0.0.6) with a workload waypoint; `extra` is appended to the services.
+fn state(svc_waypoint: &str) -> ProxyState {
+    let yaml = format!(
+        r#"
+workloads:
+- {{uid: u-client, name: client, namespace: default, serviceAccount: alice, workloadIps: ["10.0.0.2"], protocol: HBONE}}
+- uid: u-server
+  name: server
+  namespace: default
+  serviceAccount: bob
+  workloadIps: ["10.0.0.3"]
+  protocol: HBONE
+  services: {{"default/svc.example": {{80: 8080}}}}
+- uid: u-wp
+  name: waypoint
+  namespace: default
+  serviceAccount: waypoint
+  workloadIps: ["10.0.0.9"]
+  protocol: HBONE
+  services: {{"default/wp.example": {{15008: 15008}}}}
+- {{uid: u-plain, name: plain, namespace: default, serviceAccount: p, workloadIps: ["10.0.0.5"], protocol: TCP}}
+- uid: u-guarded
+  name: guarded
+  namespace: default
+  serviceAccount: carol
+  workloadIps: ["10.0.0.6"]
+  protocol: HBONE
+  waypoint: {{destination: "/10.0.0.9", hboneMtlsPort: 15008}}
+services:
+- name: svc
+  namespace: default
+  hostname: svc.example
+  vips: ["/10.96.0.1"]
+  ports: {{80: 8080}}
+{svc_waypoint}- name: wp
+  namespace: default
+  hostname: wp.example
+  vips: ["/10.96.0.9"]
+  ports: {{15008: 15008}}
+- name: empty
+  namespace: default
+  hostname: empty.example
+  vips: ["/10.96.0.2"]
+  ports: {{80: 80}}
+  waypoint: {{destination: "default/nowhere.example", hboneMtlsPort: 15008}}
+"#
+    );
+    let cfg = parse_local_config(&yaml).expect("config");
+    ProxyState::from_config(&cfg).expect("state")
+}
+
+fn addr(s: &str) -> SocketAddr {
+    s.parse().expect("addr")
+}
+
+fn workload(st: &ProxyState, name: &str) -> Arc<Workload> {
+    st.workload_by_name("default", name).expect("workload")
+}
+
+fn id(sa: &str) -> Identity {
+    Identity {
+        trust_domain: "cluster.local".into(),
+        namespace: "default".into(),
+        service_account: sa.into(),
+    }
+}
+
+const CLIENT: &str = "10.0.0.2:40000";
+
+/// A route over HBONE to `to` for `authority`, expecting service account `sa`; logged as `target`.
+fn hbone_route(target: &str, to: &str, authority: &str, sa: &str) -> Route {
+    Route {
+        target: addr(target),
+        hbone: Some(Hbone {
+            addr: addr(to),
+            authority: addr(authority),
+            identity: id(sa),
+        }),
+    }
+}
+
+/// [`route`] from the named workload (client port 40000) to `dst`.
+fn route_from(st: &ProxyState, name: &str, dst: &str) -> Result<Route, RouteError> {
+    route(st, &workload(st, name), addr(dst), addr(CLIENT))
+}
+
+#[test]
+fn a_service_without_waypoint_goes_to_an_endpoint_over_hbone() {
+    let st = state("");
+    let r = route_from(&st, "client", "10.96.0.1:80");
+    assert_eq!(
+        r,
+        Ok(hbone_route(
+            "10.0.0.3:8080",
+            "10.0.0.3:15008",
+            "10.0.0.3:8080",
+            "bob"
+        ))
+    );
+}
+
+#[test]
+fn a_service_with_a_waypoint_goes_to_the_waypoint_with_the_vip_as_authority() {
+    for waypoint in [
+        "  waypoint: {destination: \"default/wp.example\", hboneMtlsPort: 15008}\n",
+        "  waypoint: {destination: \"/10.96.0.9\", hboneMtlsPort: 15008}\n",
+        "  waypoint: {destination: \"/10.0.0.9\", hboneMtlsPort: 15008}\n",
+    ] {
+        let st = state(waypoint);
+        let r = route_from(&st, "client", "10.96.0.1:80");
+        assert_eq!(
+            r,
+            Ok(hbone_route(
+                "10.96.0.1:80",
+                "10.0.0.9:15008",
+                "10.96.0.1:80",
+                "waypoint"
+            )),
+            "{waypoint}"
+        );
+        // the waypoint's own traffic to the service goes to the endpoint
+        let from_wp = route_from(&st, "waypoint", "10.96.0.1:80").expect("route");
+        assert_eq!(from_wp.target, addr("10.0.0.3:8080"), "{waypoint}");
+    }
+}
+
+#[test]
+fn a_workload_with_a_waypoint_is_reached_through_it() {
+    let st = state("");
+    let r = route_from(&st, "client", "10.0.0.6:9000");
+    assert_eq!(
+        r,
+        Ok(hbone_route(
+            "10.0.0.6:9000",
+            "10.0.0.9:15008",
+            "10.0.0.6:9000",
+            "waypoint"
+        ))
+    );
+    let from_wp = route_from(&st, "waypoint", "10.0.0.6:9000").expect("route");
+    assert_eq!(from_wp.hbone.map(|h| h.addr), Some(addr("10.0.0.6:15008")));
+}
+
+#[test]
+fn an_unresolvable_waypoint_fails_instead_of_bypassing() {
+    let st = state("");
+    assert_eq!(
+        route_from(&st, "client", "10.96.0.2:80"),
+        Err(RouteError::NoWaypoint {
+            of: "default/empty.example".into(),
+            waypoint: "default/nowhere.example".into(),
+        })
+    );
+}
+
+#[test]
+fn plain_tcp_and_unknown_destinations_pass_through() {
+    let st = state("");
+    for dst in ["10.0.0.5:80", "192.0.2.1:443"] {
+        assert_eq!(
+            route_from(&st, "client", dst),
+            Ok(Route {
+                target: addr(dst),
+                hbone: None
+            })
+        );
+    }
+}
+
+#[test]
+fn a_service_without_endpoints_has_no_route() {
+    let st = state("");
+    let wp_less = ProxyState::from_config(
+        &parse_local_config(
+            "services:\n- {name: s, namespace: ns, hostname: s.example, vips: [\"/10.96.1.1\"], ports: {80: 80}}\n",
+        )
+        .expect("config"),
+    )
+    .expect("state");
+    assert_eq!(
+        route(
+            &wp_less,
+            &workload(&st, "client"),
+            addr("10.96.1.1:80"),
+            addr(CLIENT)
+        ),
+        Err(RouteError::NoEndpoints("ns/s.example".into()))
+    );
+}
