@@ -9,8 +9,10 @@
 //! - An HBONE workload is reached at `pod IP:15008` with `:authority` = `pod IP:target port`;
 //!   anything else is plain TCP to the target.
 //!
-//! Traffic from the waypoint itself is not sent back to it. A waypoint that cannot be resolved
-//! to a workload is an error: the connection fails rather than bypassing the waypoint.
+//! Traffic from the waypoint itself (any workload with its identity) is not sent back to it. A
+//! waypoint that cannot be resolved to a workload is an error: the connection fails rather than
+//! bypassing the waypoint. The waypoint's `hboneMtlsPort` is used as given (no service port
+//! mapping), and the network part of its address is not looked at (no multi-network yet).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -130,7 +132,12 @@ fn via_waypoint(
     of: &str,
 ) -> Result<Option<Route>, RouteError> {
     let waypoints = waypoint_workloads(state, wp);
-    if waypoints.iter().any(|w| w.uid == src.uid) {
+    // the waypoint itself, or another replica of it (same identity)
+    let src_id = src.identity();
+    if waypoints
+        .iter()
+        .any(|w| w.uid == src.uid || w.identity() == src_id)
+    {
         return Ok(None);
     }
     let no_waypoint = || RouteError::NoWaypoint {
@@ -150,17 +157,24 @@ fn via_waypoint(
 }
 
 /// The workloads a waypoint reference stands for: the endpoints of its service (by VIP or
-/// hostname), or the workload owning its address.
+/// hostname), else the workload owning its address or, by hostname, the workloads of that
+/// namespace and hostname.
 fn waypoint_workloads(state: &ProxyState, wp: &GatewayAddress) -> Vec<Arc<Workload>> {
     match &wp.destination {
         GatewayDestination::Address(a) => match state.service_by_vip(a.address) {
             Some(svc) => state.endpoints(&svc),
             None => state.workload_by_ip(a.address).into_iter().collect(),
         },
-        GatewayDestination::Hostname(h) => state
-            .service_by_key(&format!("{}/{}", h.namespace, h.hostname))
-            .map(|svc| state.endpoints(&svc))
-            .unwrap_or_default(),
+        GatewayDestination::Hostname(h) => {
+            match state.service_by_key(&format!("{}/{}", h.namespace, h.hostname)) {
+                Some(svc) => state.endpoints(&svc),
+                None => state
+                    .workloads()
+                    .filter(|w| w.namespace == h.namespace && w.hostname == h.hostname)
+                    .cloned()
+                    .collect(),
+            }
+        }
     }
 }
 

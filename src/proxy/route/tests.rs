@@ -1,9 +1,12 @@
 use super::*;
 use crate::proxy::config::parse_local_config;
 
-/// Workloads: client (10.0.0.2), server (10.0.0.3, behind service `default/svc` at 10.96.0.1:80 ->
-/// 8080), waypoint (10.0.0.9, behind service `default/wp` at 10.96.0.9), plain (10.0.0.5, TCP),
-/// and `guarded` (10.0.0.6) with a workload waypoint; `extra` is appended to the services.
+/// Workloads: client (10.0.0.2), server (10.0.0.3, behind service `default/svc` at 10.96.0.1:80,
+/// its own port map 80 -> 8080 over the service's 80 -> 9090), waypoint (10.0.0.9, hostname
+/// `wp-host.example`, behind service `default/wp` at 10.96.0.9) and a second replica of it
+/// (10.0.0.10, same identity), plain (10.0.0.5, TCP), and `guarded` (10.0.0.6, behind service
+/// `default/guarded` at 10.96.0.6) with a workload waypoint; `svc_waypoint` is inserted into
+/// service `svc`.
 fn state(svc_waypoint: &str) -> ProxyState {
     let yaml = format!(
         r#"
@@ -22,7 +25,9 @@ workloads:
   serviceAccount: waypoint
   workloadIps: ["10.0.0.9"]
   protocol: HBONE
+  hostname: wp-host.example
   services: {{"default/wp.example": {{15008: 15008}}}}
+- {{uid: u-wp2, name: waypoint-2, namespace: default, serviceAccount: waypoint, workloadIps: ["10.0.0.10"], protocol: HBONE}}
 - {{uid: u-plain, name: plain, namespace: default, serviceAccount: p, workloadIps: ["10.0.0.5"], protocol: TCP}}
 - uid: u-guarded
   name: guarded
@@ -31,17 +36,23 @@ workloads:
   workloadIps: ["10.0.0.6"]
   protocol: HBONE
   waypoint: {{destination: "/10.0.0.9", hboneMtlsPort: 15008}}
+  services: {{"default/guarded.example": {{80: 9000}}}}
 services:
 - name: svc
   namespace: default
   hostname: svc.example
   vips: ["/10.96.0.1"]
-  ports: {{80: 8080}}
+  ports: {{80: 9090}}
 {svc_waypoint}- name: wp
   namespace: default
   hostname: wp.example
   vips: ["/10.96.0.9"]
   ports: {{15008: 15008}}
+- name: guarded
+  namespace: default
+  hostname: guarded.example
+  vips: ["/10.96.0.6"]
+  ports: {{80: 9000}}
 - name: empty
   namespace: default
   hostname: empty.example
@@ -190,5 +201,37 @@ fn a_service_without_endpoints_has_no_route() {
             addr(CLIENT)
         ),
         Err(RouteError::NoEndpoints("ns/s.example".into()))
+    );
+}
+
+#[test]
+fn a_waypoint_named_by_workload_hostname_and_its_replicas() {
+    let st =
+        state("  waypoint: {destination: \"default/wp-host.example\", hboneMtlsPort: 15008}\n");
+    assert_eq!(
+        route_from(&st, "client", "10.96.0.1:80"),
+        Ok(hbone_route(
+            "10.96.0.1:80",
+            "10.0.0.9:15008",
+            "10.96.0.1:80",
+            "waypoint"
+        ))
+    );
+    // another replica of the waypoint (same identity, not named) is not sent back to it
+    let from_replica = route_from(&st, "waypoint-2", "10.96.0.1:80").expect("route");
+    assert_eq!(from_replica.target, addr("10.0.0.3:8080"));
+}
+
+#[test]
+fn service_traffic_ignores_the_endpoints_own_waypoint() {
+    let st = state("");
+    assert_eq!(
+        route_from(&st, "client", "10.96.0.6:80"),
+        Ok(hbone_route(
+            "10.0.0.6:9000",
+            "10.0.0.6:15008",
+            "10.0.0.6:9000",
+            "carol"
+        ))
     );
 }
