@@ -74,9 +74,13 @@ pub fn format_authority(addr: SocketAddr) -> String {
     addr.to_string()
 }
 
-/// `forwarded` header value for a client address: `for="<ip:port>"` (RFC 7239 quoting, as ztunnel).
-pub fn forwarded(client: SocketAddr) -> String {
-    format!("for=\"{client}\"")
+/// `forwarded` header value for a client address: `for="<ip:port>"` (RFC 7239 quoting, as
+/// ztunnel), plus `;host=<service hostname>` when the connection was addressed to a service.
+pub fn forwarded(client: SocketAddr, service_host: Option<&str>) -> String {
+    match service_host {
+        Some(host) => format!("for=\"{client}\";host={host}"),
+        None => format!("for=\"{client}\""),
+    }
 }
 
 /// A random W3C `traceparent` value: `00-<32 hex trace id>-<16 hex parent id>-00`, both ids
@@ -193,10 +197,14 @@ mod tests {
     }
 
     #[test]
-    fn forwarded_quotes_the_client() {
+    fn forwarded_quotes_the_client_and_names_the_service() {
         assert_eq!(
-            forwarded("[fd00::1]:4000".parse().expect("addr")),
+            forwarded("[fd00::1]:4000".parse().expect("addr"), None),
             "for=\"[fd00::1]:4000\""
+        );
+        assert_eq!(
+            forwarded("10.0.0.2:4000".parse().expect("addr"), Some("svc.example")),
+            "for=\"10.0.0.2:4000\";host=svc.example"
         );
     }
 }

@@ -105,7 +105,14 @@ async fn setup(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) -> Option
                 dst: hbone.identity,
                 addr: hbone.addr,
             };
-            match connect_hbone(&pod, key, client, hbone.authority).await {
+            let connect = connect_hbone(
+                &pod,
+                key,
+                client,
+                hbone.authority,
+                hbone.service_host.as_deref(),
+            );
+            match connect.await {
                 Ok((send, recv)) => Either::Left(copy::relay_h2(tcp, send, recv)),
                 Err(e) => {
                     log.failed(&pod.ctx.metrics, &e);
@@ -132,11 +139,12 @@ async fn connect_hbone(
     key: PoolKey,
     client: SocketAddr,
     target: SocketAddr,
+    service_host: Option<&str>,
 ) -> Result<(h2::SendStream<bytes::Bytes>, h2::RecvStream), OutboundError> {
     let req = http::Request::builder()
         .method(http::Method::CONNECT)
         .uri(hbone::format_authority(target))
-        .header("forwarded", hbone::forwarded(client))
+        .header("forwarded", hbone::forwarded(client, service_host))
         .header("traceparent", hbone::traceparent())
         .body(())
         .map_err(OutboundError::Request)?;

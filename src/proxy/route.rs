@@ -3,7 +3,9 @@
 //!
 //! - A service VIP with a waypoint goes over HBONE to the waypoint (`ip:hboneMtlsPort`), the
 //!   `:authority` being the original `VIP:port` and the expected identity the waypoint's.
-//! - Any other service VIP becomes one of its endpoints (service port mapped to the target port).
+//! - Any other service VIP becomes one of its healthy endpoints (all with `healthPolicy:
+//!   AllowAll`); the target port is the endpoint's explicit port, else its workload's port map,
+//!   else the service's, else the original port.
 //! - A workload addressed directly, with a waypoint of its own, goes to that waypoint likewise
 //!   (authority = `pod IP:port`).
 //! - An HBONE workload is reached at `pod IP:15008` with `:authority` = `pod IP:target port`;
@@ -17,10 +19,12 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use crate::proxy::config::{GatewayAddress, GatewayDestination};
+use crate::proxy::config::{
+    GatewayAddress, GatewayDestination, HealthStatus, LoadBalancerHealthPolicy,
+};
 use crate::proxy::hbone::HBONE_PORT;
 use crate::proxy::identity::Identity;
-use crate::proxy::state::{Protocol, ProxyState, Workload};
+use crate::proxy::state::{Protocol, ProxyState, Service, Workload};
 
 /// Where an outbound connection goes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -41,6 +45,9 @@ pub struct Hbone {
     pub authority: SocketAddr,
     /// The identity the peer's certificate must carry.
     pub identity: Identity,
+    /// Hostname of the destination service, when the connection was addressed to one (the
+    /// `host=` of the `forwarded` header).
+    pub service_host: Option<String>,
 }
 
 /// Why a connection has no route.
@@ -72,28 +79,39 @@ pub fn route(
     let mut target = dst;
     if let Some(svc) = state.service_by_vip(dst.ip()) {
         let key = format!("{}/{}", svc.namespace, svc.hostname);
+        let host = Some(svc.hostname.clone());
         if let Some(wp) = &svc.waypoint
-            && let Some(route) = via_waypoint(state, wp, src, dst, client, &key)?
+            && let Some(mut route) = via_waypoint(state, wp, src, dst, client, &key)?
         {
+            if let Some(h) = &mut route.hbone {
+                h.service_host = host;
+            }
             return Ok(route);
         }
-        let endpoints = state.endpoints(&svc);
+        let endpoints = eligible_endpoints(state, &svc);
         let Some(ep) = pick(&endpoints, client) else {
             return Err(RouteError::NoEndpoints(key));
         };
-        let port = ep
-            .services
-            .get(&key)
-            .and_then(|m| m.get(&dst.port()).copied())
+        // the endpoint's explicit port, its workload's port map, the service's, the original
+        let port = svc
+            .endpoints
+            .get(&ep.uid)
+            .and_then(|e| e.port.get(&dst.port()).copied())
+            .or_else(|| {
+                ep.services
+                    .get(&key)
+                    .and_then(|m| m.get(&dst.port()).copied())
+            })
             .or_else(|| svc.ports.get(&dst.port()).copied())
             .unwrap_or(dst.port());
         if let Some(ip) = ip_like(ep, dst) {
             target = SocketAddr::new(ip, port);
         }
-        return Ok(Route {
-            target,
-            hbone: direct_hbone(state, target),
-        });
+        let mut hbone = direct_hbone(state, target);
+        if let Some(h) = &mut hbone {
+            h.service_host = host;
+        }
+        return Ok(Route { target, hbone });
     }
     if let Some(w) = state.workload_by_ip(dst.ip())
         && let Some(wp) = &w.waypoint
@@ -118,7 +136,25 @@ fn direct_hbone(state: &ProxyState, target: SocketAddr) -> Option<Hbone> {
             addr: SocketAddr::new(target.ip(), HBONE_PORT),
             authority: target,
             identity: w.identity(),
+            service_host: None,
         })
+}
+
+/// The service's endpoints that may take traffic: healthy ones (the explicit endpoint's status,
+/// else the workload's), or all when the service's `loadBalancer.healthPolicy` is `AllowAll`.
+fn eligible_endpoints(state: &ProxyState, svc: &Service) -> Vec<Arc<Workload>> {
+    let allow_all = svc
+        .load_balancer
+        .as_ref()
+        .is_some_and(|lb| lb.health_policy == LoadBalancerHealthPolicy::AllowAll);
+    let mut endpoints = state.endpoints(svc);
+    if !allow_all {
+        endpoints.retain(|w| {
+            let status = svc.endpoints.get(&w.uid).map_or(w.status, |e| e.status);
+            status == HealthStatus::Healthy
+        });
+    }
+    endpoints
 }
 
 /// The route through waypoint `wp` for traffic to `dst` (of service or workload `of`), or
@@ -152,6 +188,7 @@ fn via_waypoint(
             addr: SocketAddr::new(ip, wp.hbone_mtls_port),
             authority: dst,
             identity: w.identity(),
+            service_host: None,
         }),
     }))
 }

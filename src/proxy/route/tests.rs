@@ -91,8 +91,18 @@ fn hbone_route(target: &str, to: &str, authority: &str, sa: &str) -> Route {
             addr: addr(to),
             authority: addr(authority),
             identity: id(sa),
+            service_host: None,
         }),
     }
+}
+
+/// [`hbone_route`] for a connection addressed to service `host`.
+fn service_route(target: &str, to: &str, authority: &str, sa: &str, host: &str) -> Route {
+    let mut r = hbone_route(target, to, authority, sa);
+    if let Some(h) = &mut r.hbone {
+        h.service_host = Some(host.into());
+    }
+    r
 }
 
 /// [`route`] from the named workload (client port 40000) to `dst`.
@@ -106,11 +116,12 @@ fn a_service_without_waypoint_goes_to_an_endpoint_over_hbone() {
     let r = route_from(&st, "client", "10.96.0.1:80");
     assert_eq!(
         r,
-        Ok(hbone_route(
+        Ok(service_route(
             "10.0.0.3:8080",
             "10.0.0.3:15008",
             "10.0.0.3:8080",
-            "bob"
+            "bob",
+            "svc.example"
         ))
     );
 }
@@ -126,11 +137,12 @@ fn a_service_with_a_waypoint_goes_to_the_waypoint_with_the_vip_as_authority() {
         let r = route_from(&st, "client", "10.96.0.1:80");
         assert_eq!(
             r,
-            Ok(hbone_route(
+            Ok(service_route(
                 "10.96.0.1:80",
                 "10.0.0.9:15008",
                 "10.96.0.1:80",
-                "waypoint"
+                "waypoint",
+                "svc.example"
             )),
             "{waypoint}"
         );
@@ -210,11 +222,12 @@ fn a_waypoint_named_by_workload_hostname_and_its_replicas() {
         state("  waypoint: {destination: \"default/wp-host.example\", hboneMtlsPort: 15008}\n");
     assert_eq!(
         route_from(&st, "client", "10.96.0.1:80"),
-        Ok(hbone_route(
+        Ok(service_route(
             "10.96.0.1:80",
             "10.0.0.9:15008",
             "10.96.0.1:80",
-            "waypoint"
+            "waypoint",
+            "svc.example"
         ))
     );
     // another replica of the waypoint (same identity, not named) is not sent back to it
@@ -227,11 +240,61 @@ fn service_traffic_ignores_the_endpoints_own_waypoint() {
     let st = state("");
     assert_eq!(
         route_from(&st, "client", "10.96.0.6:80"),
-        Ok(hbone_route(
+        Ok(service_route(
             "10.0.0.6:9000",
             "10.0.0.6:15008",
             "10.0.0.6:9000",
-            "carol"
+            "carol",
+            "guarded.example"
         ))
     );
+}
+
+#[test]
+fn unhealthy_endpoints_are_skipped_unless_the_service_allows_all() {
+    let yaml = |policy: &str| {
+        format!(
+            r#"
+workloads:
+- {{uid: u-a, name: a, namespace: ns, serviceAccount: a, workloadIps: ["10.0.1.1"], protocol: HBONE, status: Unhealthy, services: {{"ns/s.example": {{80: 8080}}}}}}
+- {{uid: u-b, name: b, namespace: ns, serviceAccount: b, workloadIps: ["10.0.1.2"], protocol: HBONE}}
+services:
+- name: s
+  namespace: ns
+  hostname: s.example
+  vips: ["/10.96.1.1"]
+  ports: {{80: 8080}}
+  {policy}
+  endpoints:
+    u-b: {{workloadUid: u-b, port: {{80: 9999}}, status: Unhealthy}}
+"#
+        )
+    };
+    let st =
+        ProxyState::from_config(&parse_local_config(&yaml("")).expect("config")).expect("state");
+    let src = workload(&state(""), "client");
+    // a is unhealthy itself, b through its explicit endpoint
+    assert_eq!(
+        route(&st, &src, addr("10.96.1.1:80"), addr(CLIENT)),
+        Err(RouteError::NoEndpoints("ns/s.example".into()))
+    );
+    let st = ProxyState::from_config(
+        &parse_local_config(&yaml("loadBalancer: {healthPolicy: AllowAll}")).expect("config"),
+    )
+    .expect("state");
+    let mut targets: Vec<SocketAddr> = (0..2)
+        .map(|p| {
+            route(
+                &st,
+                &src,
+                addr("10.96.1.1:80"),
+                SocketAddr::new(addr(CLIENT).ip(), p),
+            )
+            .expect("route")
+            .target
+        })
+        .collect();
+    targets.sort();
+    // the explicit endpoint's port wins over the service's
+    assert_eq!(targets, [addr("10.0.1.1:8080"), addr("10.0.1.2:9999")]);
 }
