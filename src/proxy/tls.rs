@@ -22,11 +22,13 @@ use rustls_pki_types::CertificateDer;
 
 use super::identity::{CertManager, Identity, IdentityError};
 
+mod handshake;
 pub mod record;
 pub mod stream;
 mod verify;
 
-pub use stream::{StreamError, TlsStream, accept, connect};
+pub use handshake::{accept, connect};
+pub use stream::{StreamError, TlsStream};
 
 /// The only ALPN protocol HBONE speaks.
 pub const ALPN_H2: &[u8] = b"h2";

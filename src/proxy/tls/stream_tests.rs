@@ -3,13 +3,16 @@
 //! close_notify, tampering and truncation.
 
 use std::net::Ipv4Addr;
+use std::sync::Arc;
 use std::time::Duration;
 
+use rustls::{ClientConfig, ServerConfig};
+use rustls_pki_types::ServerName;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
 
 use super::*;
 use crate::proxy::identity::{Ca, CertManager, DEFAULT_CERT_LIFETIME, Identity};
-use crate::proxy::tls::{client_config, peer_identity, server_config};
+use crate::proxy::tls::{accept, client_config, connect, peer_identity, server_config};
 
 fn client_id() -> Identity {
     Identity::new("cluster.local", "ns-a", "client")
