@@ -1,7 +1,7 @@
 //! Per-connection access log (tracing target `access`) and Istio-named TCP counters.
 //!
 //! Fields follow ztunnel (`../shared/spec/ztunnel.md` §7): `src.addr`, `src.identity`, `dst.addr`,
-//! `dst.hbone_addr`, `dst.identity`, `direction`, `bytes_sent`, `bytes_recv`, `duration` ("<n>ms").
+//! `dst.hbone_addr`, `dst.identity`, `direction`, `bytes_sent`, `bytes_recv`, `duration` (`"<n>ms"`).
 //! The counters are exported as `istio_tcp_connections_opened_total`,
 //! `istio_tcp_connections_closed_total`, `istio_tcp_sent_bytes_total`, `istio_tcp_received_bytes_total`
 //! and `istio_tcp_connections_failed_total`, labelled by `reporter` (source = outbound, destination =

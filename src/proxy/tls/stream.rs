@@ -1,6 +1,6 @@
 //! The HBONE mTLS byte stream. rustls runs the TLS 1.3 handshake through its unbuffered API
-//! ([`super::handshake`]) and then hands over the traffic keys (`rustls::kernel`); [`TlsStream`]
-//! protects the records itself with [`record`](super::record), in its own buffers.
+//! (`tls/handshake.rs`) and then hands over the traffic keys (`rustls::kernel`); [`TlsStream`]
+//! protects the records itself with the record layer (`super::record`), in its own buffers.
 //!
 //! Why not rustls' buffered stream: it reads the socket 4 KiB at a time and copies every received
 //! record twice (into its plaintext queue, then out to the reader) plus allocates per record.
