@@ -77,9 +77,19 @@ pub fn format_authority(addr: SocketAddr) -> String {
 /// `forwarded` header value for a client address: `for="<ip:port>"` (RFC 7239 quoting, as
 /// ztunnel), plus `;host=<service hostname>` when the connection was addressed to a service.
 pub fn forwarded(client: SocketAddr, service_host: Option<&str>) -> String {
+    // RFC 7239 §4: a value is a token or a quoted-string; control characters cannot be sent at
+    // all, so such a host is left out rather than failing the request.
+    let is_token = |h: &str| {
+        h.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+    };
     match service_host {
-        Some(host) => format!("for=\"{client}\";host={host}"),
-        None => format!("for=\"{client}\""),
+        Some(host) if !host.is_empty() && is_token(host) => format!("for=\"{client}\";host={host}"),
+        Some(host) if !host.is_empty() && !host.bytes().any(|b| b.is_ascii_control()) => {
+            let quoted = host.replace('\\', "\\\\").replace('"', "\\\"");
+            format!("for=\"{client}\";host=\"{quoted}\"")
+        }
+        _ => format!("for=\"{client}\""),
     }
 }
 
@@ -202,9 +212,28 @@ mod tests {
             forwarded("[fd00::1]:4000".parse().expect("addr"), None),
             "for=\"[fd00::1]:4000\""
         );
+        let client = "10.0.0.2:4000".parse().expect("addr");
         assert_eq!(
-            forwarded("10.0.0.2:4000".parse().expect("addr"), Some("svc.example")),
+            forwarded(client, Some("svc.example")),
             "for=\"10.0.0.2:4000\";host=svc.example"
         );
+        // not a token: quoted, so it cannot add parameters
+        assert_eq!(
+            forwarded(client, Some("a;for=1.2.3.4")),
+            "for=\"10.0.0.2:4000\";host=\"a;for=1.2.3.4\""
+        );
+        assert_eq!(
+            forwarded(client, Some("a\"b\\c")),
+            "for=\"10.0.0.2:4000\";host=\"a\\\"b\\\\c\""
+        );
+        // control characters: left out
+        assert_eq!(forwarded(client, Some("a\nb")), "for=\"10.0.0.2:4000\"");
+        // whatever it names, the value is a valid header value
+        for host in ["svc.example", "a;for=1.2.3.4", "a\"b", "a\nb"] {
+            assert!(
+                http::HeaderValue::from_str(&forwarded(client, Some(host))).is_ok(),
+                "{host:?}"
+            );
+        }
     }
 }

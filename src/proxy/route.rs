@@ -5,7 +5,8 @@
 //!   `:authority` being the original `VIP:port` and the expected identity the waypoint's.
 //! - Any other service VIP becomes one of its healthy endpoints (all with `healthPolicy:
 //!   AllowAll`); the target port is the endpoint's explicit port, else its workload's port map,
-//!   else the service's, else the original port.
+//!   else the service's, else the original port. Without one, a `Passthrough` service sends the
+//!   connection to the original destination as plain TCP; any other has no route.
 //! - A workload addressed directly, with a waypoint of its own, goes to that waypoint likewise
 //!   (authority = `pod IP:port`).
 //! - An HBONE workload is reached at `pod IP:15008` with `:authority` = `pod IP:target port`;
@@ -20,7 +21,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use crate::proxy::config::{
-    GatewayAddress, GatewayDestination, HealthStatus, LoadBalancerHealthPolicy,
+    GatewayAddress, GatewayDestination, HealthStatus, LoadBalancerHealthPolicy, LoadBalancerMode,
 };
 use crate::proxy::hbone::HBONE_PORT;
 use crate::proxy::identity::Identity;
@@ -90,6 +91,17 @@ pub fn route(
         }
         let endpoints = eligible_endpoints(state, &svc);
         let Some(ep) = pick(&endpoints, client) else {
+            let passthrough = svc
+                .load_balancer
+                .as_ref()
+                .is_some_and(|lb| lb.mode == LoadBalancerMode::Passthrough);
+            if passthrough {
+                // no endpoint selection: the original destination, as plain TCP
+                return Ok(Route {
+                    target,
+                    hbone: None,
+                });
+            }
             return Err(RouteError::NoEndpoints(key));
         };
         // the endpoint's explicit port, its workload's port map, the service's, the original

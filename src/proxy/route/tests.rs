@@ -257,7 +257,8 @@ fn unhealthy_endpoints_are_skipped_unless_the_service_allows_all() {
             r#"
 workloads:
 - {{uid: u-a, name: a, namespace: ns, serviceAccount: a, workloadIps: ["10.0.1.1"], protocol: HBONE, status: Unhealthy, services: {{"ns/s.example": {{80: 8080}}}}}}
-- {{uid: u-b, name: b, namespace: ns, serviceAccount: b, workloadIps: ["10.0.1.2"], protocol: HBONE}}
+- {{uid: u-b, name: b, namespace: ns, serviceAccount: b, workloadIps: ["10.0.1.2"], protocol: HBONE, services: {{"ns/s.example": {{80: 7777}}}}}}
+- {{uid: u-c, name: c, namespace: ns, serviceAccount: c, workloadIps: ["10.0.1.3"], protocol: HBONE, status: Unhealthy}}
 services:
 - name: s
   namespace: ns
@@ -267,22 +268,30 @@ services:
   {policy}
   endpoints:
     u-b: {{workloadUid: u-b, port: {{80: 9999}}, status: Unhealthy}}
+    u-c: {{workloadUid: u-c, status: Healthy}}
 "#
         )
     };
     let st =
         ProxyState::from_config(&parse_local_config(&yaml("")).expect("config")).expect("state");
     let src = workload(&state(""), "client");
-    // a is unhealthy itself, b through its explicit endpoint
-    assert_eq!(
-        route(&st, &src, addr("10.96.1.1:80"), addr(CLIENT)),
-        Err(RouteError::NoEndpoints("ns/s.example".into()))
-    );
+    // a is unhealthy itself, b through its explicit endpoint; c's explicit status wins over its
+    // workload's
+    for p in 0..3 {
+        let r = route(
+            &st,
+            &src,
+            addr("10.96.1.1:80"),
+            SocketAddr::new(addr(CLIENT).ip(), p),
+        )
+        .expect("route");
+        assert_eq!(r.target, addr("10.0.1.3:8080"));
+    }
     let st = ProxyState::from_config(
         &parse_local_config(&yaml("loadBalancer: {healthPolicy: AllowAll}")).expect("config"),
     )
     .expect("state");
-    let mut targets: Vec<SocketAddr> = (0..2)
+    let mut targets: Vec<SocketAddr> = (0..3)
         .map(|p| {
             route(
                 &st,
@@ -295,6 +304,38 @@ services:
         })
         .collect();
     targets.sort();
-    // the explicit endpoint's port wins over the service's
-    assert_eq!(targets, [addr("10.0.1.1:8080"), addr("10.0.1.2:9999")]);
+    // b's explicit endpoint port wins over its workload's port map and the service's
+    assert_eq!(
+        targets,
+        [
+            addr("10.0.1.1:8080"),
+            addr("10.0.1.2:9999"),
+            addr("10.0.1.3:8080")
+        ]
+    );
+}
+
+#[test]
+fn a_passthrough_service_without_endpoints_goes_to_the_original_destination() {
+    let yaml = |mode: &str| {
+        format!(
+            "services:\n- {{name: s, namespace: ns, hostname: s.example, vips: [\"/10.96.1.1\"], ports: {{80: 80}}, loadBalancer: {{mode: {mode}}}}}\n"
+        )
+    };
+    let src = workload(&state(""), "client");
+    let st = ProxyState::from_config(&parse_local_config(&yaml("Passthrough")).expect("config"))
+        .expect("state");
+    assert_eq!(
+        route(&st, &src, addr("10.96.1.1:80"), addr(CLIENT)),
+        Ok(Route {
+            target: addr("10.96.1.1:80"),
+            hbone: None
+        })
+    );
+    let st = ProxyState::from_config(&parse_local_config(&yaml("Standard")).expect("config"))
+        .expect("state");
+    assert_eq!(
+        route(&st, &src, addr("10.96.1.1:80"), addr(CLIENT)),
+        Err(RouteError::NoEndpoints("ns/s.example".into()))
+    );
 }

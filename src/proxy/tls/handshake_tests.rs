@@ -1,4 +1,4 @@
-//! Tests of the handshake ([`super::super::handshake`]): rejected peers, handshake messages split
+//! Tests of the handshake (`tls/handshake.rs`): rejected peers, handshake messages split
 //! over records, a corrupted handshake record, records that arrive with the client's Finished, and
 //! a config the handshake cannot use. Helpers come from the stream tests.
 

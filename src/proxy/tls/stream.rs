@@ -12,8 +12,9 @@
 //! rustls keeps what it is good at: the handshake, certificate verification and the key schedule
 //! for KeyUpdate (RFC 8446 §4.6.3). This stream follows the peer's KeyUpdates, answers a burst of
 //! requests with one update, refuses more than 32 records without data in a row, and updates its
-//! own send key before the cipher suite's confidentiality limit. A record that fails (authentication, length, type)
-//! gets the fatal alert RFC 8446 §6.2 names, and nothing more is sent.
+//! own send key before the cipher suite's confidentiality limit. A record that fails
+//! (authentication, length, type) gets the fatal alert RFC 8446 §6.2 names, and nothing more is
+//! sent.
 
 use std::io::{self, IoSlice};
 use std::ops::Range;
