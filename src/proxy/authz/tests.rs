@@ -66,11 +66,16 @@ fn plaintext(port: u16) -> Connection<'static> {
     }
 }
 
+/// [`check`] of alice's connection (10.0.0.2) to the server's `port`.
+fn alice_to_server(st: &ProxyState, port: u16) -> Result<(), Denied> {
+    let id = alice();
+    check(st, &workload(st, "server"), &from_alice(&id, port))
+}
+
 #[test]
 fn no_policies_allow_everything() {
     let st = state("  []\n");
-    let server = workload(&st, "server");
-    assert_eq!(check(&st, &server, &plaintext(80)), Ok(()));
+    assert_eq!(plaintext_to(&st, "server", 80), Ok(()));
 }
 
 #[test]
@@ -79,13 +84,9 @@ fn the_example_config_policy_allows_every_port_but_9999() {
     let st = state(
         "- action: Allow\n  rules:\n  - - - notDestinationPorts: [9999]\n  name: deny-9999\n  namespace: default\n  scope: Namespace\n  dryRun: false\n",
     );
-    let server = workload(&st, "server");
     let id = alice();
-    assert_eq!(check(&st, &server, &from_alice(&id, 80)), Ok(()));
-    assert_eq!(
-        check(&st, &server, &from_alice(&id, 9999)),
-        Err(Denied::NotAllowed)
-    );
+    assert_eq!(alice_to_server(&st, 80), Ok(()));
+    assert_eq!(alice_to_server(&st, 9999), Err(Denied::NotAllowed));
     // a Namespace policy of `default` does not apply in `other`
     let elsewhere = workload(&st, "elsewhere");
     let to_other = Connection {
@@ -102,9 +103,8 @@ fn a_matching_deny_wins_over_a_matching_allow() {
          - {name: no-alice, namespace: default, scope: Global, action: Deny, rules: [[[{principals: [{Exact: cluster.local/ns/default/sa/alice}]}]]]}\n",
     );
     let server = workload(&st, "server");
-    let id = alice();
     assert_eq!(
-        check(&st, &server, &from_alice(&id, 80)),
+        alice_to_server(&st, 80),
         Err(Denied::Explicit("default/no-alice".into()))
     );
     let bob = Identity {
@@ -119,20 +119,17 @@ fn identity_fields_never_match_a_plaintext_peer_and_their_negations_hold() {
     let st = state(
         "- {name: ns, namespace: default, scope: Namespace, action: Allow, rules: [[[{namespaces: [Presence]}]]]}\n",
     );
-    let server = workload(&st, "server");
-    assert_eq!(check(&st, &server, &plaintext(80)), Err(Denied::NotAllowed));
-    let id = alice();
-    assert_eq!(check(&st, &server, &from_alice(&id, 80)), Ok(()));
+    assert_eq!(plaintext_to(&st, "server", 80), Err(Denied::NotAllowed));
+    assert_eq!(alice_to_server(&st, 80), Ok(()));
 
     let st = state(
         "- {name: not-alice, namespace: default, scope: Namespace, action: Deny, rules: [[[{notServiceAccounts: [{namespace: default, serviceAccount: alice}]}]]]}\n",
     );
-    let server = workload(&st, "server");
     assert_eq!(
-        check(&st, &server, &plaintext(80)),
+        plaintext_to(&st, "server", 80),
         Err(Denied::Explicit("default/not-alice".into()))
     );
-    assert_eq!(check(&st, &server, &from_alice(&id, 80)), Ok(()));
+    assert_eq!(alice_to_server(&st, 80), Ok(()));
 }
 
 #[test]
@@ -141,14 +138,9 @@ fn clauses_are_anded_and_matches_ored() {
     let st = state(
         "- name: p\n  namespace: default\n  scope: Namespace\n  action: Allow\n  rules:\n  - - [{destinationPorts: [80]}]\n    - [{sourceIps: [10.0.0.0/24]}, {namespaces: [{Exact: other}]}]\n",
     );
-    let server = workload(&st, "server");
-    let id = alice();
-    assert_eq!(check(&st, &server, &from_alice(&id, 80)), Ok(()));
-    assert_eq!(
-        check(&st, &server, &from_alice(&id, 81)),
-        Err(Denied::NotAllowed)
-    );
-    assert_eq!(check(&st, &server, &plaintext(80)), Err(Denied::NotAllowed));
+    assert_eq!(alice_to_server(&st, 80), Ok(()));
+    assert_eq!(alice_to_server(&st, 81), Err(Denied::NotAllowed));
+    assert_eq!(plaintext_to(&st, "server", 80), Err(Denied::NotAllowed));
 }
 
 #[test]
@@ -157,14 +149,12 @@ fn empty_rules_and_empty_matches_never_match() {
         "- {name: none, namespace: default, scope: Global, action: Deny, rules: []}\n\
          - {name: blank, namespace: default, scope: Global, action: Deny, rules: [[[{}]]]}\n",
     );
-    let server = workload(&st, "server");
-    assert_eq!(check(&st, &server, &plaintext(80)), Ok(()));
+    assert_eq!(plaintext_to(&st, "server", 80), Ok(()));
     // an empty clause holds
     let st =
         state("- {name: all, namespace: default, scope: Global, action: Deny, rules: [[[]]]}\n");
-    let server = workload(&st, "server");
     assert_eq!(
-        check(&st, &server, &plaintext(80)),
+        plaintext_to(&st, "server", 80),
         Err(Denied::Explicit("default/all".into()))
     );
 }
@@ -174,9 +164,8 @@ fn selector_policies_apply_only_to_workloads_that_name_them() {
     let st = state(
         "- {name: selected, namespace: default, scope: WorkloadSelector, action: Deny, rules: [[[{destinationPorts: [80]}]]]}\n",
     );
-    let server = workload(&st, "server");
     assert_eq!(
-        check(&st, &server, &plaintext(80)),
+        plaintext_to(&st, "server", 80),
         Err(Denied::Explicit("default/selected".into()))
     );
     let elsewhere = workload(&st, "elsewhere");
@@ -193,8 +182,7 @@ fn dry_run_policies_are_not_enforced() {
         "- {name: would-deny, namespace: default, scope: Global, action: Deny, dryRun: true, rules: [[[{destinationPorts: [80]}]]]}\n\
          - {name: would-allow-nothing, namespace: default, scope: Global, action: Allow, dryRun: true, rules: []}\n",
     );
-    let server = workload(&st, "server");
-    assert_eq!(check(&st, &server, &plaintext(80)), Ok(()));
+    assert_eq!(plaintext_to(&st, "server", 80), Ok(()));
 }
 
 #[test]
@@ -202,8 +190,7 @@ fn not_destination_ips_and_destination_ips() {
     let st = state(
         "- {name: p, namespace: default, scope: Global, action: Allow, rules: [[[{destinationIps: [10.0.0.0/8], notDestinationIps: [10.0.0.3]}]]]}\n",
     );
-    let server = workload(&st, "server");
-    assert_eq!(check(&st, &server, &plaintext(80)), Err(Denied::NotAllowed));
+    assert_eq!(plaintext_to(&st, "server", 80), Err(Denied::NotAllowed));
     let elsewhere = workload(&st, "elsewhere");
     let to_other = Connection {
         dst: SocketAddr::new("10.0.0.4".parse().expect("ip"), 80),
@@ -250,13 +237,8 @@ fn one_matching_allow_among_several_is_enough() {
         "- {name: ports, namespace: default, scope: Namespace, action: Allow, rules: [[[{destinationPorts: [80]}]]]}\n\
          - {name: bob-only, namespace: default, scope: Namespace, action: Allow, rules: [[[{serviceAccounts: [{namespace: default, serviceAccount: bob}]}]]]}\n",
     );
-    let server = workload(&st, "server");
-    let id = alice();
-    assert_eq!(check(&st, &server, &from_alice(&id, 80)), Ok(()));
-    assert_eq!(
-        check(&st, &server, &from_alice(&id, 81)),
-        Err(Denied::NotAllowed)
-    );
+    assert_eq!(alice_to_server(&st, 80), Ok(()));
+    assert_eq!(alice_to_server(&st, 81), Err(Denied::NotAllowed));
 }
 
 #[test]
@@ -265,13 +247,11 @@ fn a_matching_dry_run_allow_does_not_allow() {
         "- {name: dry, namespace: default, scope: Namespace, action: Allow, dryRun: true, rules: [[[{destinationPorts: [80]}]]]}\n\
          - {name: real, namespace: default, scope: Namespace, action: Allow, rules: [[[{destinationPorts: [81]}]]]}\n",
     );
-    let server = workload(&st, "server");
-    assert_eq!(check(&st, &server, &plaintext(80)), Err(Denied::NotAllowed));
+    assert_eq!(plaintext_to(&st, "server", 80), Err(Denied::NotAllowed));
 }
 
 #[test]
 fn principal_and_negated_identity_and_source_fields() {
-    let id = alice();
     let cases: [(&str, bool, bool); 6] = [
         // (match, alice from 10.0.0.2 allowed, plaintext from 10.9.0.1 allowed)
         ("{principals: [{Suffix: /sa/alice}]}", true, false),
@@ -293,14 +273,9 @@ fn principal_and_negated_identity_and_source_fields() {
         let st = state(&format!(
             "- {{name: p, namespace: default, scope: Namespace, action: Allow, rules: [[[{m}]]]}}\n"
         ));
-        let server = workload(&st, "server");
+        assert_eq!(alice_to_server(&st, 80).is_ok(), alice_ok, "{m}: alice");
         assert_eq!(
-            check(&st, &server, &from_alice(&id, 80)).is_ok(),
-            alice_ok,
-            "{m}: alice"
-        );
-        assert_eq!(
-            check(&st, &server, &plaintext(80)).is_ok(),
+            plaintext_to(&st, "server", 80).is_ok(),
             plaintext_ok,
             "{m}: plaintext"
         );
