@@ -4,7 +4,9 @@
 //! `shutdown(Write)` / HTTP/2 END_STREAM), an error or a stream reset on either side ends both.
 //! Read buffers follow the traffic: a read that fills its buffer makes the next one 4× larger (up
 //! to 1 MiB, so one read moves many TLS records and HTTP/2 DATA frames), a read of less than 16 KiB
-//! goes back to 16 KiB (so request/response traffic does not allocate 1 MiB per message). Received HTTP/2 data is written out without a copy.
+//! goes back to 16 KiB (so request/response traffic does not allocate 1 MiB per message). Received
+//! HTTP/2 data is written out without a copy. An app's FIN found right after a short read goes out
+//! as END_STREAM on that read's DATA frame (RFC 9113 §6.1), not in an empty frame of its own.
 
 use std::future::Future;
 use std::io;
@@ -97,6 +99,7 @@ pub fn relay_h2(tcp: TcpStream, send: SendStream<Bytes>, recv: RecvStream) -> H2
             pending: None,
             size: ReadSize::new(),
             total: 0,
+            short: false,
             done: false,
         },
         down: Down {
@@ -127,8 +130,19 @@ struct Up {
     pending: Option<Bytes>,
     size: ReadSize,
     total: u64,
+    /// The last read returned less than its buffer held.
+    short: bool,
     /// END_STREAM sent.
     done: bool,
+}
+
+impl Up {
+    /// Counts a read chunk and notes whether it was short; returns it ready to send.
+    fn take(&mut self, buf: BytesMut) -> Bytes {
+        self.total += buf.len() as u64;
+        self.short = buf.len() < buf.capacity();
+        buf.freeze()
+    }
 }
 
 /// HTTP/2 → TCP state.
@@ -174,39 +188,73 @@ impl H2Relay {
     /// Moves TCP data into the HBONE stream until it would block, EOF (END_STREAM) or an error.
     fn poll_up(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         loop {
-            if let Some(chunk) = self.up.pending.as_mut() {
-                self.send.reserve_capacity(chunk.len());
-                let cap = self.send.capacity();
-                if cap == 0 {
-                    match ready!(self.send.poll_capacity(cx)) {
-                        Some(Ok(_)) => continue,
-                        Some(Err(e)) => return Poll::Ready(Err(h2_io(e))),
-                        None => {
-                            return Poll::Ready(Err(io::Error::new(
-                                io::ErrorKind::BrokenPipe,
-                                "HBONE stream closed",
-                            )));
-                        }
+            let Some(chunk) = self.up.pending.as_mut() else {
+                match ready!(poll_read_chunk(&mut self.tcp, &mut self.up.size, cx))? {
+                    Some(buf) => self.up.pending = Some(self.up.take(buf)),
+                    None => {
+                        self.send.send_data(Bytes::new(), true).map_err(h2_io)?;
+                        self.up.done = true;
+                        return Poll::Ready(Ok(()));
                     }
                 }
-                let part = chunk.split_to(cap.min(chunk.len()));
-                if chunk.is_empty() {
-                    self.up.pending = None;
+                continue;
+            };
+            self.send.reserve_capacity(chunk.len());
+            let cap = self.send.capacity();
+            if cap == 0 {
+                match ready!(self.send.poll_capacity(cx)) {
+                    Some(Ok(_)) => continue,
+                    Some(Err(e)) => return Poll::Ready(Err(h2_io(e))),
+                    None => {
+                        return Poll::Ready(Err(io::Error::new(
+                            io::ErrorKind::BrokenPipe,
+                            "HBONE stream closed",
+                        )));
+                    }
                 }
+            }
+            let part = chunk.split_to(cap.min(chunk.len()));
+            if !chunk.is_empty() {
                 self.send.send_data(part, false).map_err(h2_io)?;
                 continue;
             }
-            match ready!(poll_read_chunk(&mut self.tcp, &mut self.up.size, cx))? {
-                Some(buf) => {
-                    self.up.total += buf.len() as u64;
-                    self.up.pending = Some(buf.freeze());
+            self.up.pending = None;
+            // The last part of a short read: if the app already closed its side, that FIN goes
+            // out as END_STREAM on this DATA frame instead of in an empty frame (one TLS record
+            // and one send fewer for a request or response followed by close).
+            match self.poll_fin_after_short_read(cx) {
+                Ok(end) => {
+                    self.send.send_data(part, end).map_err(h2_io)?;
+                    if end {
+                        self.up.done = true;
+                        return Poll::Ready(Ok(()));
+                    }
                 }
-                None => {
-                    self.send.send_data(Bytes::new(), true).map_err(h2_io)?;
-                    self.up.done = true;
-                    return Poll::Ready(Ok(()));
+                Err(e) => {
+                    // Deliver what was read; the error ends the relay.
+                    let _ = self.send.send_data(part, false);
+                    return Poll::Ready(Err(e));
                 }
             }
+        }
+    }
+
+    /// After a short read, whether the socket's read side has reached EOF. The short read cleared
+    /// the socket's readable state, so only a closed read side (kept by tokio) or data that came
+    /// meanwhile makes it ready: then one more read tells which (that data becomes the next
+    /// pending chunk). No syscall otherwise.
+    fn poll_fin_after_short_read(&mut self, cx: &mut Context<'_>) -> io::Result<bool> {
+        if !self.up.short {
+            return Ok(false);
+        }
+        match poll_read_chunk(&mut self.tcp, &mut self.up.size, cx) {
+            Poll::Ready(Ok(None)) => Ok(true),
+            Poll::Ready(Ok(Some(buf))) => {
+                self.up.pending = Some(self.up.take(buf));
+                Ok(false)
+            }
+            Poll::Ready(Err(e)) => Err(e),
+            Poll::Pending => Ok(false),
         }
     }
 
@@ -430,6 +478,27 @@ mod tests {
                 received: 5
             }
         );
+    }
+
+    #[tokio::test]
+    async fn fin_right_after_data_rides_on_the_data_frame() {
+        let ((c_send, c_recv), (_s_send, mut s_recv)) = h2_pair().await;
+        let (app, proxy_side) = tcp_pair().await;
+        let (_r, mut w) = app.into_split();
+        w.write_all(b"request").await.expect("write");
+        w.shutdown().await.expect("half close");
+        // Both the data and the FIN are in the socket before the relay's first read.
+        proxy_side.readable().await.expect("readable");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        let relay = tokio::spawn(relay_h2(proxy_side, c_send, c_recv));
+        let chunk = s_recv.data().await.expect("data").expect("ok");
+        assert_eq!(&chunk[..], b"request");
+        assert!(
+            s_recv.is_end_stream(),
+            "END_STREAM came on the DATA frame, not in a frame of its own"
+        );
+        assert!(s_recv.data().await.is_none());
+        relay.abort();
     }
 
     #[test]
