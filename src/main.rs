@@ -232,8 +232,9 @@ fn worker_threads() -> usize {
 }
 
 /// Returns freed memory to the OS when a worker goes idle, at most once per second per thread:
-/// mimalloc keeps freed pages for reuse and only purges them during later allocations, so without
-/// this an idle proxy would hold the peak of its last burst (e.g. after many connections closed).
+/// mimalloc keeps freed pages for reuse and only purges them (1 s after the free) during later
+/// allocations or collections, so without this and [`trim_heap`] an idle proxy would hold the peak
+/// of its last burst (e.g. after many connections closed).
 fn collect_idle_heap() {
     use std::cell::Cell;
     use std::time::Instant;
@@ -257,13 +258,30 @@ fn mimalloc_collect() {
     unsafe { libmimalloc_sys::mi_collect(false) }
 }
 
+/// How often [`trim_heap`] returns freed memory whose purge delay (mimalloc's `purge_delay`,
+/// 1 s) has passed.
+const HEAP_TRIM_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Collects on a timer too: the purges a burst's frees schedule are only due a second later, when
+/// an idle worker may not park again for a long time.
+async fn trim_heap() {
+    let mut tick = tokio::time::interval(HEAP_TRIM_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        mimalloc_collect();
+    }
+}
+
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
-    Ok(tokio::runtime::Builder::new_multi_thread()
+    let rt = tokio::runtime::Builder::new_multi_thread()
         .on_thread_park(collect_idle_heap)
         .worker_threads(worker_threads())
         .thread_name("ztnode")
         .enable_all()
-        .build()?)
+        .build()?;
+    rt.spawn(trim_heap());
+    Ok(rt)
 }
 
 fn run(cmd: Cmd) -> anyhow::Result<i32> {
@@ -393,4 +411,43 @@ fn main() {
         }
     };
     std::process::exit(code);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Resident set of this process, MiB.
+    fn rss_mib() -> f64 {
+        let status = std::fs::read_to_string("/proc/self/status").expect("status");
+        let kib: f64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .expect("VmRSS");
+        kib / 1024.0
+    }
+
+    #[test]
+    fn freed_memory_is_returned_while_the_runtime_idles() {
+        let rt = runtime().expect("runtime");
+        rt.block_on(async {
+            // Freed on a worker, which then parks with nothing left to do.
+            let peak = tokio::spawn(async {
+                let held: Vec<Vec<u8>> = (0..64).map(|i| vec![i as u8; 1 << 20]).collect();
+                let peak = rss_mib();
+                drop(held);
+                peak
+            })
+            .await
+            .expect("task");
+            tokio::time::sleep(HEAP_TRIM_INTERVAL * 3).await;
+            let after = rss_mib();
+            assert!(
+                after < peak - 32.0,
+                "64 MiB freed, RSS {peak:.1} MiB before and {after:.1} MiB after"
+            );
+        });
+    }
 }
