@@ -6,7 +6,8 @@
 //! to 1 MiB, so one read moves many TLS records and HTTP/2 DATA frames), a read of less than 16 KiB
 //! goes back to 16 KiB (so request/response traffic does not allocate 1 MiB per message). Received
 //! HTTP/2 data is written out without a copy. An app's FIN found right after a short read goes out
-//! as END_STREAM on that read's DATA frame (RFC 9113 §6.1), not in an empty frame of its own.
+//! as END_STREAM on that read's last DATA frame (RFC 9113 §6.1), not in an empty frame of its
+//! own.
 
 use std::future::Future;
 use std::io;
@@ -220,8 +221,8 @@ impl H2Relay {
             }
             self.up.pending = None;
             // The last part of a short read: if the app already closed its side, that FIN goes
-            // out as END_STREAM on this DATA frame instead of in an empty frame (one TLS record
-            // and one send fewer for a request or response followed by close).
+            // out as END_STREAM on this DATA frame instead of in an empty frame (often one TLS
+            // record and one send fewer for a request or response followed by close).
             match self.poll_fin_after_short_read(cx) {
                 Ok(end) => {
                     self.send.send_data(part, end).map_err(h2_io)?;
@@ -488,8 +489,14 @@ mod tests {
         w.write_all(b"request").await.expect("write");
         w.shutdown().await.expect("half close");
         // Both the data and the FIN are in the socket before the relay's first read.
-        proxy_side.readable().await.expect("readable");
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        while !proxy_side
+            .ready(tokio::io::Interest::READABLE)
+            .await
+            .expect("ready")
+            .is_read_closed()
+        {
+            tokio::task::yield_now().await;
+        }
         let relay = tokio::spawn(relay_h2(proxy_side, c_send, c_recv));
         let chunk = s_recv.data().await.expect("data").expect("ok");
         assert_eq!(&chunk[..], b"request");
