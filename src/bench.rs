@@ -226,10 +226,18 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
     let mut values: Vec<Value> = Vec::new();
     if wants(Section::Throughput) {
         for streams in [1usize, 8] {
-            let (direct, _) = iperf(&d_client, &d_server, streams, secs)?;
-            let cpu_before = cpu_seconds(pid)?;
-            let (mesh_v, mesh_bytes) = iperf(&m_client, &m_server, streams, secs)?;
-            let cpu = cpu_seconds(pid)? - cpu_before;
+            let (mut mesh_bytes, mut cpu) = (0.0, 0.0);
+            let (direct, mesh_v) = interleaved(
+                secs,
+                |slice| Ok(iperf(&d_client, &d_server, streams, slice)?.0),
+                |slice| {
+                    let cpu_before = cpu_seconds(pid)?;
+                    let (gbps, bytes) = iperf(&m_client, &m_server, streams, slice)?;
+                    cpu += cpu_seconds(pid)? - cpu_before;
+                    mesh_bytes += bytes;
+                    Ok(gbps)
+                },
+            )?;
             rows.push(Row::new(
                 format!("throughput {streams} stream(s)"),
                 "Gbit/s",
@@ -294,8 +302,11 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
         }
     }
     if wants(Section::Rate) {
-        let dc = conn_rate(&d_client, &d_server, opts.duration)?;
-        let mc = conn_rate(&m_client, &m_server, opts.duration)?;
+        let (dc, mc) = interleaved(
+            secs,
+            |slice| conn_rate(&d_client, &d_server, Duration::from_secs(slice)),
+            |slice| conn_rate(&m_client, &m_server, Duration::from_secs(slice)),
+        )?;
         rows.push(Row::new(
             "connect + 1 KiB RTT + close".into(),
             "conn/s",
@@ -458,6 +469,34 @@ impl Row {
     }
 }
 
+/// Slices a throughput or connection-rate figure is taken in, the paths alternating.
+const SLICES: u64 = 5;
+
+/// Measures `direct` and `mesh` over `secs` seconds each, in [`SLICES`] alternating slices (each
+/// closure gets the slice length, whole seconds, and returns its rate), and returns the mean rate
+/// of each path. Alternating makes both paths see the same spells of a VM whose speed drifts
+/// within a minute, which one run after the other did not.
+fn interleaved(
+    secs: u64,
+    mut direct: impl FnMut(u64) -> anyhow::Result<f64>,
+    mut mesh: impl FnMut(u64) -> anyhow::Result<f64>,
+) -> anyhow::Result<(f64, f64)> {
+    let (slices, slice) = slicing(secs);
+    let (mut d, mut m) = (0.0, 0.0);
+    for _ in 0..slices {
+        d += direct(slice)?;
+        m += mesh(slice)?;
+    }
+    Ok((d / slices as f64, m / slices as f64))
+}
+
+/// `(slices, seconds per slice)` for `secs` seconds per path: up to [`SLICES`] slices of at
+/// least a second, covering at most `secs`.
+fn slicing(secs: u64) -> (u64, u64) {
+    let slices = SLICES.min(secs).max(1);
+    (slices, (secs / slices).max(1))
+}
+
 /// Runs iperf3 from `client` to `server`; returns Gbit/s and the bytes received.
 fn iperf(client: &Pod, server: &Pod, streams: usize, secs: u64) -> anyhow::Result<(f64, f64)> {
     let port = "5201";
@@ -499,17 +538,28 @@ fn iperf(client: &Pod, server: &Pod, streams: usize, secs: u64) -> anyhow::Resul
     Ok((bps / 1e9, bytes))
 }
 
-fn echo_server(
-    server: &Pod,
-    port: u16,
-    close_after_reply: bool,
-) -> anyhow::Result<(SocketAddr, std::thread::JoinHandle<()>)> {
+/// An echo server's accept loop on its own thread; [`EchoServer::stop`] ends it and closes the
+/// listener, so the port can be listened on again.
+struct EchoServer {
+    addr: SocketAddr,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+/// Listens on `server`'s IP and `port` and echoes [`MSG`]-byte messages: one message per
+/// connection, then close (`close_after_reply`), or until the client closes (a thread each).
+fn echo_server(server: &Pod, port: u16, close_after_reply: bool) -> anyhow::Result<EchoServer> {
     let ns = Netns::open(&server.netns_path)?;
     let addr = SocketAddr::new(server.ip, port);
     let listener = Lab::listen_in(&ns, addr)?;
     listener.set_nonblocking(false)?;
-    let handle = std::thread::spawn(move || {
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stopped = stop.clone();
+    let thread = std::thread::spawn(move || {
         while let Ok((mut s, _)) = listener.accept() {
+            if stopped.load(std::sync::atomic::Ordering::Acquire) {
+                break;
+            }
             let _ = s.set_nodelay(true);
             let mut buf = [0u8; MSG];
             if close_after_reply {
@@ -527,13 +577,23 @@ fn echo_server(
             });
         }
     });
-    Ok((addr, handle))
+    Ok(EchoServer { addr, stop, thread })
 }
 
-/// Unblocks an accept loop by connecting once and sending nothing (the server drops it).
-fn stop_server(client: &Netns, addr: SocketAddr, listener_thread: std::thread::JoinHandle<()>) {
-    drop(listener_thread);
-    let _ = Lab::connect_from(client, addr);
+impl EchoServer {
+    /// Ends the accept loop (a connection from `client` wakes it) and waits, up to 10 s, until
+    /// the listener is closed (a mesh path that lost the wake-up connection must not hang the
+    /// bench; the next listen on the port then fails instead).
+    fn stop(self, client: &Netns) {
+        self.stop.store(true, std::sync::atomic::Ordering::Release);
+        if Lab::connect_from(client, self.addr).is_err() {
+            return;
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !self.thread.is_finished() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
 }
 
 /// What a report needs to be compared with another one: the build, when it ran, and the
@@ -598,8 +658,9 @@ fn latency(
     let _polling = (placement == Placement::PollingIdle)
         .then(PollingIdle::hold)
         .transpose()?;
-    let (d_addr, d_handle) = echo_server(d_server, port, false)?;
-    let (m_addr, m_handle) = echo_server(m_server, port, false)?;
+    let d_echo = echo_server(d_server, port, false)?;
+    let m_echo = echo_server(m_server, port, false)?;
+    let (d_addr, m_addr) = (d_echo.addr, m_echo.addr);
     let d_ns = Netns::open(&d_client.netns_path)?;
     let m_ns = Netns::open(&m_client.netns_path)?;
     let mut d = Lab::connect_from(&d_ns, d_addr)?;
@@ -625,8 +686,8 @@ fn latency(
         mesh.push(round_trip(&mut m)?);
     }
     drop((d, m));
-    stop_server(&d_ns, d_addr, d_handle);
-    stop_server(&m_ns, m_addr, m_handle);
+    d_echo.stop(&d_ns);
+    m_echo.stop(&m_ns);
     direct.sort_by(f64::total_cmp);
     mesh.sort_by(f64::total_cmp);
     Ok(Latency {
@@ -638,7 +699,8 @@ fn latency(
 }
 
 fn conn_rate(client: &Pod, server: &Pod, dur: Duration) -> anyhow::Result<f64> {
-    let (addr, handle) = echo_server(server, 7200, true)?;
+    let echo = echo_server(server, 7200, true)?;
+    let addr = echo.addr;
     let ns = Netns::open(&client.netns_path)?;
     let buf = [9u8; MSG];
     let (count, elapsed) = ns.run(move || -> std::io::Result<(u64, f64)> {
@@ -656,7 +718,7 @@ fn conn_rate(client: &Pod, server: &Pod, dur: Duration) -> anyhow::Result<f64> {
         }
         Ok((count, start.elapsed().as_secs_f64()))
     })??;
-    stop_server(&ns, addr, handle);
+    echo.stop(&ns);
     Ok(count as f64 / elapsed)
 }
 
@@ -751,6 +813,29 @@ impl IdleRss {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn slices_alternate_and_average_each_path() {
+        assert_eq!(slicing(10), (5, 2));
+        assert_eq!(slicing(3), (3, 1));
+        assert_eq!(slicing(0), (1, 1));
+        let order = std::cell::RefCell::new(Vec::new());
+        let (d, m) = interleaved(
+            10,
+            |s| {
+                order.borrow_mut().push('d');
+                Ok(s as f64 * (order.borrow().len() as f64))
+            },
+            |s| {
+                order.borrow_mut().push('m');
+                Ok(s as f64)
+            },
+        )
+        .expect("measured");
+        assert_eq!(order.into_inner().iter().collect::<String>(), "dmdmdmdmdm");
+        // direct slices returned 2, 6, 10, 14 and 18
+        assert_eq!((d, m), (10.0, 2.0));
+    }
 
     #[test]
     fn per_connection_slope_runs_from_the_first_batch_to_the_last() {
