@@ -376,7 +376,7 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
 
     let machine = Machine::read(started);
     println!(
-        "\nztnode bench ({}s per throughput/rate figure, {} round trips, {} CPUs shared by everything)",
+        "\nztnode bench ({}s per path per throughput/rate figure, {} round trips, {} CPUs shared by everything)",
         secs, opts.round_trips, machine.cpus
     );
     println!(
@@ -490,8 +490,8 @@ fn interleaved(
     Ok((d / slices as f64, m / slices as f64))
 }
 
-/// `(slices, seconds per slice)` for `secs` seconds per path: up to [`SLICES`] slices of at
-/// least a second, covering at most `secs`.
+/// `(slices, seconds per slice)` for `secs` seconds per path: up to [`SLICES`] slices of whole
+/// seconds, at least one of a second; they cover `secs` rounded down to a multiple of the slice.
 fn slicing(secs: u64) -> (u64, u64) {
     let slices = SLICES.min(secs).max(1);
     (slices, (secs / slices).max(1))
@@ -538,28 +538,35 @@ fn iperf(client: &Pod, server: &Pod, streams: usize, secs: u64) -> anyhow::Resul
     Ok((bps / 1e9, bytes))
 }
 
-/// An echo server's accept loop on its own thread; [`EchoServer::stop`] ends it and closes the
-/// listener, so the port can be listened on again.
+/// An echo server's accept loop on its own thread. Stopping it (dropping it) shuts the listener
+/// down, which wakes the blocked `accept`, and joins the thread: the port can then be listened on
+/// again, whatever state the path to it is in.
 struct EchoServer {
     addr: SocketAddr,
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    thread: std::thread::JoinHandle<()>,
+    /// The listening socket, shared with the thread.
+    listener: std::net::TcpListener,
+    thread: Option<std::thread::JoinHandle<()>>,
 }
 
 /// Listens on `server`'s IP and `port` and echoes [`MSG`]-byte messages: one message per
 /// connection, then close (`close_after_reply`), or until the client closes (a thread each).
 fn echo_server(server: &Pod, port: u16, close_after_reply: bool) -> anyhow::Result<EchoServer> {
     let ns = Netns::open(&server.netns_path)?;
-    let addr = SocketAddr::new(server.ip, port);
-    let listener = Lab::listen_in(&ns, addr)?;
+    let listener = Lab::listen_in(&ns, SocketAddr::new(server.ip, port))?;
+    serve_echo(listener, close_after_reply)
+}
+
+/// Runs [`echo_server`]'s accept loop on `listener`.
+fn serve_echo(
+    listener: std::net::TcpListener,
+    close_after_reply: bool,
+) -> anyhow::Result<EchoServer> {
     listener.set_nonblocking(false)?;
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let stopped = stop.clone();
+    let addr = listener.local_addr()?;
+    let accepting = listener.try_clone()?;
     let thread = std::thread::spawn(move || {
-        while let Ok((mut s, _)) = listener.accept() {
-            if stopped.load(std::sync::atomic::Ordering::Acquire) {
-                break;
-            }
+        // Ends with the error `accept` returns once the listener is shut down.
+        while let Ok((mut s, _)) = accepting.accept() {
             let _ = s.set_nodelay(true);
             let mut buf = [0u8; MSG];
             if close_after_reply {
@@ -577,21 +584,18 @@ fn echo_server(server: &Pod, port: u16, close_after_reply: bool) -> anyhow::Resu
             });
         }
     });
-    Ok(EchoServer { addr, stop, thread })
+    Ok(EchoServer {
+        addr,
+        listener,
+        thread: Some(thread),
+    })
 }
 
-impl EchoServer {
-    /// Ends the accept loop (a connection from `client` wakes it) and waits, up to 10 s, until
-    /// the listener is closed (a mesh path that lost the wake-up connection must not hang the
-    /// bench; the next listen on the port then fails instead).
-    fn stop(self, client: &Netns) {
-        self.stop.store(true, std::sync::atomic::Ordering::Release);
-        if Lab::connect_from(client, self.addr).is_err() {
-            return;
-        }
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !self.thread.is_finished() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(5));
+impl Drop for EchoServer {
+    fn drop(&mut self) {
+        let _ = socket2::SockRef::from(&self.listener).shutdown(std::net::Shutdown::Both);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
         }
     }
 }
@@ -686,8 +690,7 @@ fn latency(
         mesh.push(round_trip(&mut m)?);
     }
     drop((d, m));
-    d_echo.stop(&d_ns);
-    m_echo.stop(&m_ns);
+    drop((d_echo, m_echo));
     direct.sort_by(f64::total_cmp);
     mesh.sort_by(f64::total_cmp);
     Ok(Latency {
@@ -718,7 +721,7 @@ fn conn_rate(client: &Pod, server: &Pod, dur: Duration) -> anyhow::Result<f64> {
         }
         Ok((count, start.elapsed().as_secs_f64()))
     })??;
-    echo.stop(&ns);
+    drop(echo);
     Ok(count as f64 / elapsed)
 }
 
@@ -835,6 +838,20 @@ mod tests {
         assert_eq!(order.into_inner().iter().collect::<String>(), "dmdmdmdmdm");
         // direct slices returned 2, 6, 10, 14 and 18
         assert_eq!((d, m), (10.0, 2.0));
+    }
+
+    #[test]
+    fn a_stopped_echo_server_frees_its_port() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let echo = serve_echo(listener, true).expect("serve");
+        let addr = echo.addr;
+        let mut c = std::net::TcpStream::connect(addr).expect("connect");
+        c.write_all(&[5u8; MSG]).expect("write");
+        let mut back = [0u8; MSG];
+        c.read_exact(&mut back).expect("echo");
+        assert_eq!(back, [5u8; MSG]);
+        drop(echo);
+        std::net::TcpListener::bind(addr).expect("the port is free again");
     }
 
     #[test]

@@ -153,7 +153,8 @@ enum Cmd {
     },
     /// Measure throughput, latency, connection rate, memory and CNI ADD time against the direct path (root).
     Bench {
-        /// Seconds per throughput and connection-rate figure.
+        /// Seconds per path for each throughput and connection-rate figure, taken in up to five
+        /// alternating slices of whole seconds (rounded down to a multiple of the slice).
         #[arg(long, default_value_t = 10)]
         duration: u64,
         /// 1 KiB round trips for the latency percentiles.
