@@ -40,6 +40,14 @@ const DIRECT_READ_MIN: usize = 32 * 1024;
 const WRITE_QUEUE: usize = 256 * 1024;
 /// Bytes a sealed record adds to its plaintext: header, content type, AEAD tag.
 const RECORD_OVERHEAD: usize = record::HEADER_LEN + 1 + 16;
+/// Plaintext a stream delivers without its socket running dry before it yields once: the next
+/// read wakes the task and returns `Pending`. In a multi-thread tokio runtime the task then goes
+/// to the back of its worker's run queue, where an idle worker may take it, and the tasks its
+/// reads woke (an HBONE relay writing the data to its app, which sits in the worker's LIFO slot
+/// and cannot be taken) run meanwhile, so decrypting and writing out proceed on both CPUs instead
+/// of in turn. About one HTTP/2 DATA frame of ours (`hbone::FRAME_SIZE`); request/response traffic
+/// never reaches it.
+const READ_YIELD_AFTER: usize = 1024 * 1024;
 /// Max size of a post-handshake message (NewSessionTicket, KeyUpdate).
 const MAX_POST_HANDSHAKE: usize = 64 * 1024;
 /// Records without application data (KeyUpdate, NewSessionTicket, user_canceled, empty data) a
@@ -130,7 +138,8 @@ impl From<StreamError> for io::Error {
 ///
 /// Reads of at least 32 KiB of room decrypt in the caller's buffer; smaller ones decrypt whole
 /// records in the receive buffer (64 KiB, released while the socket is idle) and copy their
-/// plaintext out. Writes seal up to 16 KiB per record into batches of up to
+/// plaintext out. After 1 MiB without the socket running dry a read yields to the scheduler once
+/// ([`READ_YIELD_AFTER`]). Writes seal up to 16 KiB per record into batches of up to
 /// 256 KiB of plaintext, one being sent while the next fills (both released once sent).
 /// `poll_shutdown` sends close_notify. A peer's NewSessionTicket is ignored (resumption is off),
 /// KeyUpdate is followed (and answered when requested, except after our close_notify), alerts
@@ -175,6 +184,10 @@ pub struct TlsStream<IO> {
     direct_reads: u64,
     /// A read error, returned again on later reads.
     read_failed: Option<(io::ErrorKind, String)>,
+    /// Plaintext delivered since a read last returned `Pending` ([`READ_YIELD_AFTER`]).
+    read_streak: usize,
+    /// Reads that yielded after a long streak (tests).
+    read_yields: u64,
     peer_certificates: Option<Vec<CertificateDer<'static>>>,
     alpn: Option<Vec<u8>>,
 }
@@ -187,6 +200,7 @@ impl<IO> std::fmt::Debug for TlsStream<IO> {
             .field("rx_updates", &self.rx_updates)
             .field("tx_updates", &self.tx_updates)
             .field("direct_reads", &self.direct_reads)
+            .field("read_yields", &self.read_yields)
             .field("read_closed", &self.read_closed)
             .field("close_sent", &self.close_sent)
             .finish_non_exhaustive()
@@ -229,6 +243,8 @@ impl<IO> TlsStream<IO> {
             tx_updates: 0,
             direct_reads: 0,
             read_failed: None,
+            read_streak: 0,
+            read_yields: 0,
             peer_certificates,
             alpn,
         })
@@ -542,12 +558,40 @@ impl<IO> TlsStream<IO> {
 }
 
 impl<IO: AsyncRead + AsyncWrite + Unpin> AsyncRead for TlsStream<IO> {
+    /// Reads application data; after [`READ_YIELD_AFTER`] bytes without the socket running dry,
+    /// one read yields (wakes the task, `Pending`) first.
     fn poll_read(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         out: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
+        if this.read_streak >= READ_YIELD_AFTER {
+            this.read_streak = 0;
+            this.read_yields += 1;
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
+        }
+        let start = out.filled().len();
+        let polled = this.poll_read_records(cx, out);
+        match polled {
+            Poll::Ready(Ok(())) => this.read_streak += out.filled().len() - start,
+            Poll::Ready(Err(_)) => {}
+            Poll::Pending => this.read_streak = 0,
+        }
+        polled
+    }
+}
+
+impl<IO: AsyncRead + AsyncWrite + Unpin> TlsStream<IO> {
+    /// [`AsyncRead::poll_read`] without the yield: plaintext from the records, reading the socket
+    /// when none is left.
+    fn poll_read_records(
+        &mut self,
+        cx: &mut Context<'_>,
+        out: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self;
         if this.wpos < this.wbuf.len() || !this.wnext.is_empty() {
             // a KeyUpdate answer (or unflushed data): keep it moving; write errors surface on
             // the next write or flush

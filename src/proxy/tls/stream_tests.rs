@@ -41,8 +41,13 @@ async fn within<F: Future>(f: F) -> F::Output {
 
 /// Our client and our server, handshaken over an in-memory pipe.
 async fn ours() -> (TlsStream<DuplexStream>, TlsStream<DuplexStream>) {
+    ours_over(64 * 1024).await
+}
+
+/// As [`ours`], over a pipe that buffers `pipe` bytes each way.
+async fn ours_over(pipe: usize) -> (TlsStream<DuplexStream>, TlsStream<DuplexStream>) {
     let (client, server) = configs();
-    let (c, s) = tokio::io::duplex(64 * 1024);
+    let (c, s) = tokio::io::duplex(pipe);
     let (c, s) =
         within(async { tokio::join!(connect(client, name(), c), accept(server, s)) }).await;
     (c.expect("client handshake"), s.expect("server handshake"))
@@ -665,3 +670,77 @@ async fn no_alert_after_our_close_notify() {
 
 #[path = "handshake_tests.rs"]
 mod handshake;
+
+/// Counts how often it is woken.
+#[derive(Default)]
+struct CountingWaker(std::sync::atomic::AtomicUsize);
+
+impl std::task::Wake for CountingWaker {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+#[tokio::test]
+async fn a_long_read_streak_yields_once_per_streak_and_wakes_itself() {
+    let small = payload(100 * 1024);
+    let (mut c, mut s) = ours().await;
+    let (_, got) =
+        within(async { tokio::join!(send_all(&mut c, &small), read_large(&mut s)) }).await;
+    assert_eq!(got.expect("read"), small);
+    assert_eq!(s.read_yields, 0, "100 KiB do not make a streak");
+
+    let bulk = payload(3 * READ_YIELD_AFTER + 12_345);
+    // the whole transfer fits in the pipe, so the reader's socket never runs dry
+    let (mut c, mut s) = ours_over(8 * 1024 * 1024).await;
+    within(send_all(&mut c, &bulk)).await;
+    // outside tokio's cooperative budget, which would end the pipe's reads in this one poll
+    let (got, streaks) = tokio::task::unconstrained(async { read_counting_pending(&mut s) }).await;
+    assert_eq!(got, bulk, "nothing lost or reordered across the yields");
+    assert!(
+        streaks.len() >= 2,
+        "a yield after each READ_YIELD_AFTER bytes: {streaks:?}"
+    );
+    assert_eq!(s.read_yields, streaks.len() as u64);
+    for n in streaks {
+        assert!(
+            (READ_YIELD_AFTER..READ_YIELD_AFTER + 256 * 1024).contains(&n),
+            "a streak of {n} bytes before its yield"
+        );
+    }
+}
+
+/// Reads `s` to its end by polling it directly with a [`CountingWaker`] and 256 KiB reads;
+/// returns the data and, for each read that returned `Pending` (each must have woken the waker
+/// first), the bytes delivered since the previous one.
+fn read_counting_pending(s: &mut TlsStream<DuplexStream>) -> (Vec<u8>, Vec<usize>) {
+    let count = Arc::new(CountingWaker::default());
+    let waker = std::task::Waker::from(count.clone());
+    let mut cx = Context::from_waker(&waker);
+    let mut buf = vec![0u8; 256 * 1024];
+    let (mut got, mut streaks, mut streak) = (Vec::new(), Vec::new(), 0);
+    loop {
+        let mut rb = ReadBuf::new(&mut buf);
+        match Pin::new(&mut *s).poll_read(&mut cx, &mut rb) {
+            Poll::Ready(Ok(())) if rb.filled().is_empty() => break,
+            Poll::Ready(Ok(())) => {
+                streak += rb.filled().len();
+                got.extend_from_slice(rb.filled());
+            }
+            Poll::Ready(Err(e)) => panic!("read: {e}"),
+            Poll::Pending => {
+                streaks.push(std::mem::take(&mut streak));
+                assert_eq!(
+                    count.0.load(std::sync::atomic::Ordering::Relaxed),
+                    streaks.len(),
+                    "a yield wakes its task before returning Pending"
+                );
+            }
+        }
+    }
+    (got, streaks)
+}
