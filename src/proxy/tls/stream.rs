@@ -139,7 +139,7 @@ impl From<StreamError> for io::Error {
 /// Reads of at least 32 KiB of room decrypt in the caller's buffer; smaller ones decrypt whole
 /// records in the receive buffer (64 KiB, released while the socket is idle) and copy their
 /// plaintext out. After 1 MiB without the socket running dry a read yields to the scheduler once
-/// ([`READ_YIELD_AFTER`]). Writes seal up to 16 KiB per record into batches of up to
+/// (`READ_YIELD_AFTER`). Writes seal up to 16 KiB per record into batches of up to
 /// 256 KiB of plaintext, one being sent while the next fills (both released once sent).
 /// `poll_shutdown` sends close_notify. A peer's NewSessionTicket is ignored (resumption is off),
 /// KeyUpdate is followed (and answered when requested, except after our close_notify), alerts
@@ -558,7 +558,7 @@ impl<IO> TlsStream<IO> {
 }
 
 impl<IO: AsyncRead + AsyncWrite + Unpin> AsyncRead for TlsStream<IO> {
-    /// Reads application data; after [`READ_YIELD_AFTER`] bytes without the socket running dry,
+    /// Reads application data; after `READ_YIELD_AFTER` bytes without the socket running dry,
     /// one read yields (wakes the task, `Pending`) first.
     fn poll_read(
         self: Pin<&mut Self>,
