@@ -40,13 +40,13 @@ const DIRECT_READ_MIN: usize = 32 * 1024;
 const WRITE_QUEUE: usize = 256 * 1024;
 /// Bytes a sealed record adds to its plaintext: header, content type, AEAD tag.
 const RECORD_OVERHEAD: usize = record::HEADER_LEN + 1 + 16;
-/// Plaintext a stream delivers without its socket running dry before it yields once: the next
-/// read wakes the task and returns `Pending`. In a multi-thread tokio runtime the task then goes
-/// to the back of its worker's run queue, where an idle worker may take it, and the tasks its
-/// reads woke (an HBONE relay writing the data to its app, which sits in the worker's LIFO slot
-/// and cannot be taken) run meanwhile, so decrypting and writing out proceed on both CPUs instead
-/// of in turn. About one HTTP/2 DATA frame of ours (`hbone::FRAME_SIZE`); request/response traffic
-/// never reaches it.
+/// Plaintext a stream delivers since a read last returned `Pending` (its socket ran dry, or
+/// tokio's task budget ran out) before it yields once: the next read wakes the task and returns
+/// `Pending`. In a multi-thread tokio runtime the task then goes to the back of its worker's run
+/// queue, where an idle worker may take it, while the relay task that h2 woke with the decoded
+/// data (in the worker's LIFO slot, which no other worker takes) writes it to the app: decrypting
+/// and writing out proceed on both CPUs instead of in turn. About one HTTP/2 DATA frame of ours
+/// (`hbone::FRAME_SIZE`); small request/response exchanges do not reach it.
 const READ_YIELD_AFTER: usize = 1024 * 1024;
 /// Max size of a post-handshake message (NewSessionTicket, KeyUpdate).
 const MAX_POST_HANDSHAKE: usize = 64 * 1024;
@@ -138,7 +138,7 @@ impl From<StreamError> for io::Error {
 ///
 /// Reads of at least 32 KiB of room decrypt in the caller's buffer; smaller ones decrypt whole
 /// records in the receive buffer (64 KiB, released while the socket is idle) and copy their
-/// plaintext out. After 1 MiB without the socket running dry a read yields to the scheduler once
+/// plaintext out. After 1 MiB delivered without a `Pending` a read yields to the scheduler once
 /// (`READ_YIELD_AFTER`). Writes seal up to 16 KiB per record into batches of up to
 /// 256 KiB of plaintext, one being sent while the next fills (both released once sent).
 /// `poll_shutdown` sends close_notify. A peer's NewSessionTicket is ignored (resumption is off),
@@ -558,8 +558,8 @@ impl<IO> TlsStream<IO> {
 }
 
 impl<IO: AsyncRead + AsyncWrite + Unpin> AsyncRead for TlsStream<IO> {
-    /// Reads application data; after `READ_YIELD_AFTER` bytes without the socket running dry,
-    /// one read yields (wakes the task, `Pending`) first.
+    /// Reads application data; after `READ_YIELD_AFTER` bytes delivered since the last
+    /// `Pending`, one read yields (wakes the task, `Pending`) first.
     fn poll_read(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,

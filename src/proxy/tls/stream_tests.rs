@@ -668,9 +668,6 @@ async fn no_alert_after_our_close_notify() {
     assert!(s.wnext.is_empty() && s.wbuf.is_empty(), "{s:?}");
 }
 
-#[path = "handshake_tests.rs"]
-mod handshake;
-
 /// Counts how often it is woken.
 #[derive(Default)]
 struct CountingWaker(std::sync::atomic::AtomicUsize);
@@ -744,3 +741,49 @@ fn read_counting_pending(s: &mut TlsStream<DuplexStream>) -> (Vec<u8>, Vec<usize
     }
     (got, streaks)
 }
+
+#[tokio::test]
+async fn a_socket_that_runs_dry_starts_a_new_streak() {
+    let part = payload(768 * 1024);
+    let (mut c, mut s) = ours_over(8 * 1024 * 1024).await;
+    let count = Arc::new(CountingWaker::default());
+    let waker = std::task::Waker::from(count.clone());
+    let mut buf = vec![0u8; 256 * 1024];
+    let mut got = Vec::new();
+    for last in [false, true] {
+        c.write_all(&part).await.expect("write");
+        if last {
+            c.shutdown().await.expect("close_notify");
+        } else {
+            c.flush().await.expect("flush");
+        }
+        let woken_before = count.0.load(std::sync::atomic::Ordering::Relaxed);
+        let dry = tokio::task::unconstrained(async {
+            let mut cx = Context::from_waker(&waker);
+            loop {
+                let mut rb = ReadBuf::new(&mut buf);
+                match Pin::new(&mut s).poll_read(&mut cx, &mut rb) {
+                    Poll::Ready(Ok(())) if rb.filled().is_empty() => return false,
+                    Poll::Ready(Ok(())) => got.extend_from_slice(rb.filled()),
+                    Poll::Ready(Err(e)) => panic!("read: {e}"),
+                    Poll::Pending => return true,
+                }
+            }
+        })
+        .await;
+        assert_eq!(
+            dry, !last,
+            "the first part runs the pipe dry, the second ends it"
+        );
+        assert_eq!(
+            count.0.load(std::sync::atomic::Ordering::Relaxed),
+            woken_before,
+            "running dry is no yield"
+        );
+    }
+    assert_eq!(got.len(), 2 * part.len());
+    assert_eq!(s.read_yields, 0, "1.5 MiB in two streaks of 768 KiB");
+}
+
+#[path = "handshake_tests.rs"]
+mod handshake;
