@@ -1,9 +1,131 @@
 //! The node agent role: self-install onto the host ([`install`]), the plugin event server
-//! ([`server`]), enrollment decisions ([`enroll`]), in-pod redirection ([`redirect`]) and the pod
-//! lifecycle that ties them together and hands each enrolled pod's netns to the proxy ([`pods`]).
+//! ([`server`]), enrollment decisions ([`enroll`]), in-pod redirection ([`redirect`]), the pod
+//! lifecycle that ties them together ([`pods`]) and the link that hands each enrolled pod's netns
+//! to the proxy ([`proxy_link`]).
+//!
+//! [`start`] is the role's front door: it takes the enrollment policy, the link to the proxy and
+//! a shutdown future, and leaves the rest (which policy, which transport) to the caller.
 
 pub mod enroll;
 pub mod install;
 pub mod pods;
+pub mod proxy_link;
 pub mod redirect;
 pub mod server;
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::podevent::plugin_socket_path;
+use crate::ready::{self, Readiness};
+use enroll::EnrollmentPolicy;
+use install::InstallConfig;
+use pods::{PodError, PodManager};
+use proxy_link::WorkloadSink;
+use redirect::RedirectPlan;
+
+/// Readiness task of the plugin event socket.
+pub const PLUGIN_SOCKET_TASK: &str = "plugin socket";
+/// Readiness task of the CNI plugin install (pending while the plugin or its entry is missing).
+pub const INSTALL_TASK: &str = "cni plugin install";
+
+/// Settings of the node agent.
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    /// Agent run dir (plugin socket `pluginevent.sock`, enrolled-pod state).
+    pub run_dir: PathBuf,
+    /// Install the plugin onto the host CNI dirs (and keep it there) with these settings; `None`
+    /// leaves the host alone.
+    pub install: Option<InstallConfig>,
+    /// Redirection programmed in each enrolled pod.
+    pub redirect: RedirectPlan,
+}
+
+/// Errors starting the agent.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    /// The pods enrolled before a restart could not be restored.
+    #[error("restore enrolled pods: {0}")]
+    Restore(#[source] PodError),
+    /// The plugin event socket could not be bound.
+    #[error(transparent)]
+    Socket(#[from] server::ServerError),
+}
+
+/// A started agent (see [`start`]).
+pub struct Agent {
+    /// The pod table.
+    pub pods: Arc<PodManager>,
+    server_task: JoinHandle<()>,
+    sock_path: PathBuf,
+}
+
+/// Starts the agent: the pod manager handing pods to `proxy` after `policy` enrolled them (pods
+/// enrolled before a restart get their rules and proxy back first), the plugin event socket in
+/// `cfg.run_dir`, and with `cfg.install` the installer and its repair loop. Registers
+/// [`PLUGIN_SOCKET_TASK`] (and [`INSTALL_TASK`]) in `ready`. Every task ends when `shutdown`
+/// resolves; [`Agent::join`] waits for that.
+pub async fn start(
+    cfg: AgentConfig,
+    policy: Arc<dyn EnrollmentPolicy>,
+    proxy: WorkloadSink,
+    ready: &Readiness,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<Agent, AgentError> {
+    let (stop_tx, stop_rx) = watch::channel(false);
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = stop_tx.send(true);
+    });
+    let socket_ready = ready.register(PLUGIN_SOCKET_TASK);
+    let pods = Arc::new(PodManager::new(policy, proxy, cfg.redirect.clone()));
+    pods.restore(&cfg.run_dir)
+        .await
+        .map_err(AgentError::Restore)?;
+    let sock_path = plugin_socket_path(&cfg.run_dir);
+    let listener = server::bind(&sock_path)?;
+    let server_task = tokio::spawn(server::serve(
+        listener,
+        pods.clone(),
+        stopped(stop_rx.clone()),
+    ));
+    tracing::info!(socket = %sock_path.display(), "plugin event socket ready");
+    socket_ready.done();
+
+    if let Some(icfg) = cfg.install {
+        match install::install(&icfg) {
+            Ok(outcome) => tracing::info!(?outcome, "CNI plugin installed"),
+            Err(e) => tracing::warn!(error = %e, "CNI install not done yet; the watcher retries"),
+        }
+        let probe = icfg.clone();
+        tokio::spawn(ready::track(
+            ready.register(INSTALL_TASK),
+            move || install::is_installed(&probe),
+            stopped(stop_rx.clone()),
+        ));
+        tokio::spawn(install::watch_and_repair(icfg, stopped(stop_rx)));
+    }
+    Ok(Agent {
+        pods,
+        server_task,
+        sock_path,
+    })
+}
+
+impl Agent {
+    /// Waits for the plugin server to stop (after the shutdown future resolved) and removes its
+    /// socket.
+    pub async fn join(self) {
+        let _ = self.server_task.await;
+        let _ = std::fs::remove_file(&self.sock_path);
+    }
+}
+
+/// Resolves once `rx` turns true (or its sender is gone).
+async fn stopped(mut rx: watch::Receiver<bool>) {
+    let _ = rx.wait_for(|s| *s).await;
+}

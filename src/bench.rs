@@ -129,7 +129,7 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
     );
     anyhow::ensure!(opts.pods >= 2, "--pods must be at least 2");
     let started = time::OffsetDateTime::now_utc();
-    crate::raise_nofile_limit();
+    crate::runtime::raise_nofile_limit();
     let prefix = opts.lab_prefix.as_str();
     // Short (interface names like `<prefix>-br` have 15 characters at most) and without `-`, so
     // the leftover cleanup below cannot match another lab's names.

@@ -1,14 +1,17 @@
 //! ztnode: the node side of an ambient (sidecar-less) service mesh, wire-compatible with Istio ambient.
 //!
 //! One binary, several roles chosen by `argv[0]` or subcommand (see `main.rs`):
-//! the CNI plugin ([`plugin`]), the node agent ([`agent`]) and the proxy ([`proxy`]).
-//! Shared bottom modules ([`netns`], [`podevent`], [`zds`], [`nft`]) never import a role.
+//! the CNI plugin ([`plugin`]), the node agent ([`agent`]) and the proxy ([`proxy`]); [`node`]
+//! composes agent and proxy. Shared bottom modules ([`mesh`], [`netns`], [`nft`], [`podevent`],
+//! [`ready`], [`runtime`], [`zds`]) never import a role. [`lab`] and its neighbours build
+//! throwaway nodes for the demo, the bench and the tests.
 
 pub mod agent;
 pub mod bench;
 pub mod cnichain;
 pub mod demo;
 pub mod lab;
+pub mod mesh;
 pub mod netns;
 pub mod nft;
 pub mod node;
@@ -16,13 +19,6 @@ pub mod pcap;
 pub mod plugin;
 pub mod podevent;
 pub mod proxy;
+pub mod ready;
+pub mod runtime;
 pub mod zds;
-
-/// Raises the soft `RLIMIT_NOFILE` to the hard limit (as ztunnel does at start): a proxy holds two
-/// sockets per proxied connection.
-pub fn raise_nofile_limit() {
-    use nix::sys::resource::{Resource, getrlimit, setrlimit};
-    if let Ok((_, hard)) = getrlimit(Resource::RLIMIT_NOFILE) {
-        let _ = setrlimit(Resource::RLIMIT_NOFILE, hard, hard);
-    }
-}

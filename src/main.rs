@@ -7,6 +7,11 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use mimalloc::MiMalloc;
+use ztnode::agent::AgentConfig;
+use ztnode::agent::install::InstallConfig;
+use ztnode::mesh::{self, PacketMark};
+use ztnode::proxy::ProxyConfig;
+use ztnode::runtime;
 
 #[global_allocator]
 static GLOBAL: MiMalloc = MiMalloc;
@@ -22,14 +27,23 @@ struct Cli {
 #[derive(clap::Args, Debug, Clone)]
 struct HostDirs {
     /// Agent run dir (plugin socket `pluginevent.sock`, built-in CA).
-    #[arg(long, env = "CNI_AGENT_RUN_DIR", default_value = ztnode::podevent::DEFAULT_RUN_DIR)]
+    #[arg(long, env = "CNI_AGENT_RUN_DIR", default_value = mesh::DEFAULT_RUN_DIR)]
     run_dir: PathBuf,
     /// Host CNI binary dir.
-    #[arg(long, default_value = "/opt/cni/bin")]
+    #[arg(long, default_value = mesh::DEFAULT_CNI_BIN_DIR)]
     cni_bin_dir: PathBuf,
     /// Host CNI config dir.
-    #[arg(long, default_value = "/etc/cni/net.d")]
+    #[arg(long, default_value = mesh::DEFAULT_CNI_CONF_DIR)]
     cni_conf_dir: PathBuf,
+}
+
+/// Options both halves must agree on (`node`, `agent`, `proxy`).
+#[derive(clap::Args, Debug, Clone)]
+struct MeshOpts {
+    /// SO_MARK of the proxy's sockets, which the in-pod rules exclude from capture (decimal, or
+    /// hex with 0x; non-zero, within 0xfff, not 0x111). Agent and proxy must use the same.
+    #[arg(long, env = "PACKET_MARK", default_value_t = PacketMark::DEFAULT)]
+    packet_mark: PacketMark,
 }
 
 /// Options of the agent half (`node`, `agent`).
@@ -57,17 +71,14 @@ struct ProxyOpts {
     /// Workload certificate lifetime, seconds.
     #[arg(long, env = "SECRET_TTL_SECONDS", default_value_t = 86400)]
     cert_lifetime_secs: u64,
-    /// SO_MARK of proxy sockets.
-    #[arg(long, env = "PACKET_MARK", default_value_t = ztnode::proxy::socket::DEFAULT_PACKET_MARK)]
-    packet_mark: u32,
     /// Admin address (`/config_dump`).
-    #[arg(long, default_value = "127.0.0.1:15000")]
+    #[arg(long, default_value_t = mesh::DEFAULT_ADMIN_ADDR)]
     admin_addr: SocketAddr,
     /// Readiness address (`/healthz/ready`).
-    #[arg(long, default_value = "0.0.0.0:15021")]
+    #[arg(long, default_value_t = mesh::DEFAULT_READINESS_ADDR)]
     readiness_addr: SocketAddr,
     /// Metrics address (`/metrics`).
-    #[arg(long, default_value = "0.0.0.0:15020")]
+    #[arg(long, default_value_t = mesh::DEFAULT_METRICS_ADDR)]
     metrics_addr: SocketAddr,
 }
 
@@ -78,11 +89,13 @@ struct ProxyCmd {
     #[arg(long, env = "LOCAL_XDS_PATH")]
     config: PathBuf,
     /// The node agent's ZDS socket.
-    #[arg(long, env = "INPOD_UDS", default_value = ztnode::zds::DEFAULT_SOCKET_PATH)]
+    #[arg(long, env = "INPOD_UDS", default_value = mesh::DEFAULT_ZDS_SOCKET)]
     zds_socket: PathBuf,
     /// Run dir (the CA dir defaults to `<run-dir>/ca`).
-    #[arg(long, env = "CNI_AGENT_RUN_DIR", default_value = ztnode::podevent::DEFAULT_RUN_DIR)]
+    #[arg(long, env = "CNI_AGENT_RUN_DIR", default_value = mesh::DEFAULT_RUN_DIR)]
     run_dir: PathBuf,
+    #[command(flatten)]
+    mesh: MeshOpts,
     #[command(flatten)]
     proxy: ProxyOpts,
 }
@@ -94,8 +107,10 @@ struct AgentCmd {
     #[arg(long, env = "LOCAL_XDS_PATH")]
     config: PathBuf,
     /// Where to serve ZDS for proxies.
-    #[arg(long, env = "ZTUNNEL_UDS_ADDRESS", default_value = ztnode::zds::DEFAULT_SOCKET_PATH)]
+    #[arg(long, env = "ZTUNNEL_UDS_ADDRESS", default_value = mesh::DEFAULT_ZDS_SOCKET)]
     zds_socket: PathBuf,
+    #[command(flatten)]
+    mesh: MeshOpts,
     #[command(flatten)]
     agent: AgentOpts,
 }
@@ -126,6 +141,8 @@ enum Cmd {
         /// Local config (ztunnel LOCAL_XDS_PATH YAML format).
         #[arg(long, env = "LOCAL_XDS_PATH")]
         config: PathBuf,
+        #[command(flatten)]
+        mesh: MeshOpts,
         #[command(flatten)]
         agent: AgentOpts,
         #[command(flatten)]
@@ -185,102 +202,13 @@ enum Cmd {
     Version,
 }
 
-fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,netlink_packet_route=error"));
-    let json = std::env::var("LOG_FORMAT").is_ok_and(|v| v == "json");
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let b = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(ansi)
-        .with_writer(std::io::stderr);
-    if json {
-        b.json().init();
-    } else {
-        b.init();
-    }
-}
-
-fn install_config(dirs: &HostDirs) -> anyhow::Result<ztnode::agent::install::InstallConfig> {
-    Ok(ztnode::agent::install::InstallConfig {
+/// The installer's settings for these dirs: this binary as the plugin, `kube-system` excluded.
+fn install_config(dirs: &HostDirs) -> anyhow::Result<InstallConfig> {
+    Ok(InstallConfig {
         cni_bin_dir: dirs.cni_bin_dir.clone(),
         cni_conf_dir: dirs.cni_conf_dir.clone(),
-        source_binary: std::env::current_exe()?,
-        run_dir: dirs.run_dir.clone(),
-        exclude_namespaces: vec!["kube-system".into()],
-        log_level: None,
+        ..InstallConfig::new(std::env::current_exe()?, dirs.run_dir.clone())
     })
-}
-
-async fn shutdown_signal() {
-    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-        Ok(s) => s,
-        Err(_) => return std::future::pending().await,
-    };
-    tokio::select! {
-        _ = term.recv() => {},
-        _ = tokio::signal::ctrl_c() => {},
-    }
-}
-
-/// Data-plane worker threads: `ZTUNNEL_WORKER_THREADS` (ztunnel's name), default 2.
-fn worker_threads() -> usize {
-    std::env::var("ZTUNNEL_WORKER_THREADS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .filter(|n| *n > 0)
-        .unwrap_or(2)
-}
-
-thread_local!(static LAST_COLLECT: std::cell::Cell<Option<std::time::Instant>> =
-    const { std::cell::Cell::new(None) });
-
-/// Returns freed memory to the OS when a worker goes idle, at most once per second per thread:
-/// mimalloc keeps freed pages for reuse and only purges them (about 1 s after a burst's first
-/// free) during later allocations or collections, so without this and [`trim_heap`] an idle proxy
-/// would hold the peak of its last burst (e.g. after many connections closed).
-fn collect_idle_heap() {
-    if LAST_COLLECT
-        .get()
-        .is_some_and(|t| t.elapsed() < Duration::from_secs(1))
-    {
-        return;
-    }
-    collect_heap();
-}
-
-/// Collects this thread's heap and the purges that are due (process-wide), now.
-#[allow(unsafe_code)]
-fn collect_heap() {
-    LAST_COLLECT.set(Some(std::time::Instant::now()));
-    // SAFETY: `mi_collect` takes no pointers and may be called from any thread at any time; it
-    // only frees memory mimalloc owns and no longer hands out.
-    unsafe { libmimalloc_sys::mi_collect(false) }
-}
-
-/// How often [`trim_heap`] collects: mimalloc's purge delay (`purge_delay`, 1 s).
-const HEAP_TRIM_INTERVAL: Duration = Duration::from_secs(1);
-
-/// Collects on a timer too: the purges a burst's frees schedule are only due a second later, when
-/// an idle worker may not park again for a long time.
-async fn trim_heap() {
-    let mut tick = tokio::time::interval(HEAP_TRIM_INTERVAL);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-        collect_heap();
-    }
-}
-
-fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .on_thread_park(collect_idle_heap)
-        .worker_threads(worker_threads())
-        .thread_name("ztnode")
-        .enable_all()
-        .build()?;
-    rt.spawn(trim_heap());
-    Ok(rt)
 }
 
 fn run(cmd: Cmd) -> anyhow::Result<i32> {
@@ -296,34 +224,35 @@ fn run(cmd: Cmd) -> anyhow::Result<i32> {
             Ok(0)
         }
         Cmd::Proxy(p) => {
-            init_tracing();
-            let cfg = proxy_config(&p.proxy, &p.run_dir);
-            runtime()?.block_on(ztnode::node::run_proxy(
+            runtime::init_tracing();
+            let cfg = proxy_config(&p.proxy, &p.mesh, &p.run_dir);
+            runtime::build()?.block_on(ztnode::node::run_proxy(
                 p.config,
                 cfg,
                 p.zds_socket,
-                shutdown_signal(),
+                runtime::shutdown_signal(),
             ))?;
             Ok(0)
         }
         Cmd::Agent(a) => {
-            init_tracing();
-            runtime()?.block_on(ztnode::node::run_agent(
+            runtime::init_tracing();
+            let cfg = agent_config(&a.agent, &a.mesh)?;
+            runtime::build()?.block_on(ztnode::node::run_agent(
                 a.config,
-                agent_config(&a.agent),
+                cfg,
                 a.zds_socket,
-                shutdown_signal(),
+                runtime::shutdown_signal(),
             ))?;
             Ok(0)
         }
         Cmd::Install { dirs } => {
-            init_tracing();
+            runtime::init_tracing();
             let outcome = ztnode::agent::install::install(&install_config(&dirs)?)?;
             println!("{outcome:?}");
             Ok(0)
         }
         Cmd::Uninstall { dirs } => {
-            init_tracing();
+            runtime::init_tracing();
             ztnode::agent::install::uninstall(&install_config(&dirs)?)?;
             Ok(0)
         }
@@ -349,41 +278,45 @@ fn run(cmd: Cmd) -> anyhow::Result<i32> {
         })),
         Cmd::Node {
             config,
+            mesh,
             agent,
             proxy,
         } => {
-            init_tracing();
-            ztnode::raise_nofile_limit();
+            runtime::init_tracing();
+            runtime::raise_nofile_limit();
             let cfg = ztnode::node::NodeConfig {
                 config,
-                proxy: proxy_config(&proxy, &agent.dirs.run_dir),
-                agent: agent_config(&agent),
+                proxy: proxy_config(&proxy, &mesh, &agent.dirs.run_dir),
+                agent: agent_config(&agent, &mesh)?,
             };
-            runtime()?.block_on(ztnode::node::run(cfg, shutdown_signal()))?;
+            runtime::build()?.block_on(ztnode::node::run(cfg, runtime::shutdown_signal()))?;
             Ok(0)
         }
     }
 }
 
-fn agent_config(a: &AgentOpts) -> ztnode::node::AgentConfig {
-    ztnode::node::AgentConfig {
+fn agent_config(a: &AgentOpts, m: &MeshOpts) -> anyhow::Result<AgentConfig> {
+    Ok(AgentConfig {
         run_dir: a.dirs.run_dir.clone(),
-        cni_bin_dir: a.dirs.cni_bin_dir.clone(),
-        cni_conf_dir: a.dirs.cni_conf_dir.clone(),
-        install: !a.no_install,
+        install: if a.no_install {
+            None
+        } else {
+            Some(install_config(&a.dirs)?)
+        },
         redirect: ztnode::agent::redirect::RedirectPlan {
             ipv6: a.ipv6,
             dns_capture: a.dns_capture,
+            proxy_mark: m.packet_mark,
             ..Default::default()
         },
-    }
+    })
 }
 
-fn proxy_config(p: &ProxyOpts, run_dir: &std::path::Path) -> ztnode::node::ProxyConfig {
-    ztnode::node::ProxyConfig {
+fn proxy_config(p: &ProxyOpts, m: &MeshOpts, run_dir: &std::path::Path) -> ProxyConfig {
+    ProxyConfig {
         ca_dir: p.ca_dir.clone().unwrap_or_else(|| run_dir.join("ca")),
         cert_lifetime: Duration::from_secs(p.cert_lifetime_secs),
-        packet_mark: p.packet_mark,
+        packet_mark: m.packet_mark,
         admin_addr: p.admin_addr,
         readiness_addr: p.readiness_addr,
         metrics_addr: p.metrics_addr,
@@ -410,45 +343,4 @@ fn main() {
         }
     };
     std::process::exit(code);
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Resident set of this process, MiB.
-    fn rss_mib() -> f64 {
-        let status = std::fs::read_to_string("/proc/self/status").expect("status");
-        let kib: f64 = status
-            .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
-            .and_then(|v| v.split_whitespace().next())
-            .and_then(|v| v.parse().ok())
-            .expect("VmRSS");
-        kib / 1024.0
-    }
-
-    /// Assumes mimalloc's default purge delay (`MIMALLOC_PURGE_DELAY` unset). Covers the purge of
-    /// freed arena memory (1 MiB objects go straight back to the arena); memory kept in another
-    /// worker's own heap is the park hook's part.
-    #[test]
-    fn freed_memory_is_returned_while_the_runtime_idles() {
-        let rt = runtime().expect("runtime");
-        // Freed on a worker, which then parks before the purge is due.
-        let peak = rt
-            .block_on(rt.spawn(async {
-                let held: Vec<Vec<u8>> = (0..64).map(|i| vec![i as u8; 1 << 20]).collect();
-                let peak = rss_mib();
-                drop(held);
-                peak
-            }))
-            .expect("task");
-        // A plain sleep: no tokio timer wakes a worker here except the trim task's.
-        std::thread::sleep(HEAP_TRIM_INTERVAL * 3);
-        let after = rss_mib();
-        assert!(
-            after < peak - 32.0,
-            "64 MiB freed, RSS {peak:.1} MiB before and {after:.1} MiB after"
-        );
-    }
 }

@@ -6,18 +6,20 @@
 //! gates, error codes), [`netconf`] (config and `CNI_ARGS`), [`result`] (prevResult conversion),
 //! [`client`] (agent socket), [`cmd`] (verb handlers), [`log`] (stderr logging).
 
-use std::collections::HashMap;
 use std::io::{Read, Write};
 
 use serde::Serialize;
 
 pub mod client;
 pub mod cmd;
+pub mod env;
 pub mod log;
 pub mod netconf;
 pub mod result;
 pub mod skel;
 pub mod version;
+
+pub use self::env::{Env, MapEnv, ProcessEnv};
 
 use self::cmd::Request;
 use self::log::Log;
@@ -34,60 +36,6 @@ pub const ABOUT: &str = concat!(
     ": chained CNI plugin enrolling Kubernetes pods in the ztnode ambient mesh\n",
     "CNI protocol versions supported: 0.3.0, 0.3.1, 0.4.0, 1.0.0, 1.1.0\n"
 );
-
-/// Read access to environment variables, so tests pass a map instead of mutating the process env.
-pub trait Env {
-    /// The value of `key`, or `None` if unset (non-UTF-8 values are converted lossily).
-    fn get(&self, key: &str) -> Option<String>;
-}
-
-/// The real process environment.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct ProcessEnv;
-
-/// A fixed environment for tests and embedding.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct MapEnv(HashMap<String, String>);
-
-// === impl ProcessEnv ===
-
-impl Env for ProcessEnv {
-    fn get(&self, key: &str) -> Option<String> {
-        std::env::var_os(key).map(|v| v.to_string_lossy().into_owned())
-    }
-}
-
-// === impl MapEnv ===
-
-impl MapEnv {
-    /// Builds an environment from `(key, value)` pairs.
-    pub fn from_pairs<K: Into<String>, V: Into<String>>(
-        pairs: impl IntoIterator<Item = (K, V)>,
-    ) -> MapEnv {
-        MapEnv(
-            pairs
-                .into_iter()
-                .map(|(k, v)| (k.into(), v.into()))
-                .collect(),
-        )
-    }
-
-    /// Sets `key` to `value`.
-    pub fn set(&mut self, key: impl Into<String>, value: impl Into<String>) {
-        self.0.insert(key.into(), value.into());
-    }
-
-    /// Removes `key`.
-    pub fn remove(&mut self, key: &str) {
-        self.0.remove(key);
-    }
-}
-
-impl Env for MapEnv {
-    fn get(&self, key: &str) -> Option<String> {
-        self.0.get(key).cloned()
-    }
-}
 
 /// Runs the plugin with the process environment, stdin, stdout and stderr; returns the exit status.
 pub fn main() -> i32 {

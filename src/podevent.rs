@@ -14,8 +14,6 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-/// Default agent run directory (holds `pluginevent.sock`).
-pub const DEFAULT_RUN_DIR: &str = "/var/run/ztnode";
 /// File name of the plugin event socket inside the run dir.
 pub const PLUGIN_SOCKET_NAME: &str = "pluginevent.sock";
 /// URL path for ADD events.

@@ -3,6 +3,9 @@
 //! A pod's journey here: the agent hands its netns over ([`crate::zds`]) → [`pods`] binds the
 //! listeners inside it → [`outbound`] tunnels the app's connections over HBONE ([`pool`], [`tls`],
 //! [`identity`]) → the peer's [`inbound`] checks and forwards them to its app.
+//!
+//! [`start`] is the role's front door: built-in CA, certificates and the proxy manager, fed by the
+//! returned in-process ZDS receiver's sender.
 
 pub mod accesslog;
 pub mod authz;
@@ -19,3 +22,173 @@ pub mod socket;
 pub mod state;
 pub mod task;
 pub mod tls;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::mesh::{self, PacketMark};
+use crate::ready::Readiness;
+use crate::zds::{self, InProcessSender};
+use accesslog::Metrics;
+use identity::{Ca, CertManager, IdentityError};
+use pods::{ProxyContext, ProxyManager};
+use state::StateHandle;
+
+/// Readiness task of the proxy (ztunnel's name): pending until the first ZDS snapshot has been
+/// applied with every workload in it started, and again while a workload's start has failed
+/// ([`ProxyManager::run`]).
+pub const PROXY_MANAGER_TASK: &str = "workload proxy manager";
+
+/// Settings of the proxy.
+#[derive(Debug, Clone)]
+pub struct ProxyConfig {
+    /// CA dir (`root-cert.pem`, `ca-key.pem`; generated when absent).
+    pub ca_dir: PathBuf,
+    /// Workload certificate lifetime.
+    pub cert_lifetime: Duration,
+    /// SO_MARK of every socket the proxy opens in a pod (the in-pod rules must exclude the same).
+    pub packet_mark: PacketMark,
+    /// Admin listener (`/config_dump`), default [`mesh::DEFAULT_ADMIN_ADDR`].
+    pub admin_addr: SocketAddr,
+    /// Readiness listener (`/healthz/ready`), default [`mesh::DEFAULT_READINESS_ADDR`].
+    pub readiness_addr: SocketAddr,
+    /// Metrics listener (`/metrics`), default [`mesh::DEFAULT_METRICS_ADDR`].
+    pub metrics_addr: SocketAddr,
+}
+
+impl ProxyConfig {
+    /// Istio's defaults with the CA in `ca_dir`: 24 h certificates, mark `0x539`, the node
+    /// endpoints on 15000/15021/15020.
+    pub fn new(ca_dir: PathBuf) -> ProxyConfig {
+        ProxyConfig {
+            ca_dir,
+            cert_lifetime: Duration::from_secs(86400),
+            packet_mark: PacketMark::DEFAULT,
+            admin_addr: mesh::DEFAULT_ADMIN_ADDR,
+            readiness_addr: mesh::DEFAULT_READINESS_ADDR,
+            metrics_addr: mesh::DEFAULT_METRICS_ADDR,
+        }
+    }
+}
+
+/// Errors starting the proxy.
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    /// The built-in CA could not be loaded or generated.
+    #[error("built-in CA in {dir}: {source}")]
+    Ca {
+        /// The CA dir.
+        dir: PathBuf,
+        /// What failed.
+        #[source]
+        source: IdentityError,
+    },
+}
+
+/// A started proxy (see [`start`]).
+pub struct Proxy {
+    /// The per-pod proxies.
+    pub manager: Arc<ProxyManager>,
+    /// Where workload requests go in (from the in-process agent or a ZDS socket client).
+    pub link: InProcessSender,
+}
+
+/// Starts the proxy: built-in CA from `cfg.ca_dir`, certificates, and the proxy manager serving
+/// the returned link. Registers [`PROXY_MANAGER_TASK`] in `ready`. Must run inside a tokio
+/// runtime (it spawns the manager).
+pub fn start(
+    cfg: &ProxyConfig,
+    state: StateHandle,
+    ready: &Readiness,
+) -> Result<Proxy, ProxyError> {
+    let ca = Ca::load_or_generate(Some(&cfg.ca_dir)).map_err(|source| ProxyError::Ca {
+        dir: cfg.ca_dir.clone(),
+        source,
+    })?;
+    let certs = CertManager::new(ca, cfg.cert_lifetime);
+    tracing::info!(dir = %cfg.ca_dir.display(), "built-in CA ready (root-cert.pem)");
+    let ctx = Arc::new(ProxyContext {
+        state,
+        certs,
+        metrics: Metrics::default(),
+        mark: cfg.packet_mark.get(),
+    });
+    let manager = ProxyManager::new(ctx);
+    let (link, rx) = zds::in_process();
+    let task = ready.register(PROXY_MANAGER_TASK);
+    tokio::spawn(manager.clone().run(rx, move |ready| {
+        task.set_ready(ready);
+        if ready {
+            tracing::info!("workload proxy manager ready (snapshot applied)");
+        } else {
+            tracing::warn!("workload proxy manager not ready (a workload failed to start)");
+        }
+    }));
+    Ok(Proxy { manager, link })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::zds::{WorkloadInfo, WorkloadRequest};
+
+    fn proxy_config(ca_dir: &std::path::Path) -> ProxyConfig {
+        let any: SocketAddr = "127.0.0.1:0".parse().expect("addr");
+        ProxyConfig {
+            cert_lifetime: Duration::from_secs(3600),
+            admin_addr: any,
+            readiness_addr: any,
+            metrics_addr: any,
+            ..ProxyConfig::new(ca_dir.to_owned())
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_proxy_is_ready_once_the_snapshot_is_applied_and_no_workload_failed() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ready = Readiness::new();
+        let state = StateHandle::new(state::ProxyState::default());
+        let Proxy { link, .. } = start(&proxy_config(dir.path()), state, &ready).expect("proxy");
+        assert_eq!(ready.pending_tasks(), [PROXY_MANAGER_TASK]);
+        // a workload the state does not know fails to start (after the 5 s wait, paused time)
+        let add = WorkloadRequest::Add {
+            uid: "unknown".into(),
+            info: WorkloadInfo {
+                name: "nobody".into(),
+                namespace: "default".into(),
+                service_account: "x".into(),
+            },
+            netns: crate::netns::Netns::current().expect("netns"),
+        };
+        assert!(link.send(add).await.is_err(), "the Add is nacked");
+        link.send(WorkloadRequest::SnapshotSent).await.expect("ack");
+        assert_eq!(
+            ready.pending_tasks(),
+            [PROXY_MANAGER_TASK],
+            "a failed workload keeps it pending"
+        );
+        link.send(WorkloadRequest::Del {
+            uid: "unknown".into(),
+        })
+        .await
+        .expect("ack");
+        assert!(ready.is_ready(), "{:?}", ready.pending_tasks());
+        // later snapshots (a reconnected agent) keep it ready
+        link.send(WorkloadRequest::SnapshotSent).await.expect("ack");
+        assert!(ready.is_ready());
+    }
+
+    #[tokio::test]
+    async fn nothing_is_ready_before_the_snapshot() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ready = Readiness::new();
+        let state = StateHandle::new(state::ProxyState::default());
+        let Proxy { link, .. } = start(&proxy_config(dir.path()), state, &ready).expect("proxy");
+        link.send(WorkloadRequest::Del { uid: "gone".into() })
+            .await
+            .expect("ack");
+        assert_eq!(ready.pending_tasks(), [PROXY_MANAGER_TASK]);
+    }
+}

@@ -6,12 +6,12 @@
 //! Kubernetes pod UID (in standalone mode `namespace/name` when the runtime gave no pod UID).
 //!
 //! Two transports carry the same [`WorkloadRequest`]s:
-//! - in-process ([`channel`]): a tokio channel with a oneshot reply, used by `ztnode node`;
+//! - in-process ([`in_process`]): a tokio channel with a oneshot [`Ack`], used by `ztnode node`;
 //! - the ZDS unix socket (SOCK_SEQPACKET, wire-compatible with istio-cni and ztunnel): the agent
 //!   runs [`server::ZdsServer`], the proxy runs [`client::run`], which feeds the socket's requests
 //!   into the same in-process channel. [`proto`] has the protobuf messages, [`packet`] the framing.
 //!
-//! The agent holds a [`WorkloadSink`], which is either transport.
+//! This module is the protocol only; which transport the agent uses is the agent's business.
 
 pub mod client;
 pub mod packet;
@@ -20,26 +20,11 @@ pub mod server;
 #[cfg(test)]
 mod tests;
 
-use std::sync::Arc;
-
 use tokio::sync::{mpsc, oneshot};
 
 use crate::netns::Netns;
-use server::ZdsServer;
 
-/// Default ZDS socket path (istio-cni `ZTUNNEL_UDS_ADDRESS`, ztunnel `INPOD_UDS`).
-pub const DEFAULT_SOCKET_PATH: &str = "/var/run/ztunnel/ztunnel.sock";
-
-/// `WorkloadInfo`: what the proxy needs to find the pod's workload and identity.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct WorkloadInfo {
-    /// Pod name.
-    pub name: String,
-    /// Pod namespace.
-    pub namespace: String,
-    /// Kubernetes service account (the SPIFFE `sa` segment).
-    pub service_account: String,
-}
+pub use proto::WorkloadInfo;
 
 /// One request from the agent to the proxy.
 #[derive(Debug)]
@@ -76,7 +61,7 @@ pub enum ZdsError {
     NoProxy,
     /// The proxy answered with a nack.
     #[error("proxy nacked: {0}")]
-    Nack(String),
+    Nack(#[source] Nack),
     /// Sending the request or reading its ack over the socket failed.
     #[error("ZDS connection: {0}")]
     Conn(#[source] packet::PacketError),
@@ -88,23 +73,53 @@ pub enum ZdsError {
     NotForwarded(&'static str),
 }
 
-/// The agent's end of the in-process channel: send a request and wait for its ack.
+/// A proxy's refusal of one request: the `Ack.error` text of the wire message (non-empty).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct Nack {
+    /// Why the request was refused, as the proxy words it.
+    pub message: String,
+}
+
+impl Nack {
+    /// A nack with `message` (an empty one is worded, so that it stays a nack on the wire).
+    pub fn new(message: impl Into<String>) -> Nack {
+        let message = message.into();
+        Nack {
+            message: if message.is_empty() {
+                "nack without a reason".into()
+            } else {
+                message
+            },
+        }
+    }
+}
+
+/// The answer to one request: `Ok` is an ack.
+pub type Ack = Result<(), Nack>;
+
+/// A request with the oneshot its [`Ack`] goes back on.
+pub type AckedRequest = (WorkloadRequest, oneshot::Sender<Ack>);
+
+/// The agent's end of the in-process transport: send a request and wait for its ack.
 #[derive(Debug, Clone)]
-pub struct ZdsClient {
-    tx: mpsc::Sender<(WorkloadRequest, oneshot::Sender<Result<(), String>>)>,
+pub struct InProcessSender {
+    tx: mpsc::Sender<AckedRequest>,
 }
 
-/// The proxy's end: receives requests, answers each through the oneshot.
-pub type ZdsReceiver = mpsc::Receiver<(WorkloadRequest, oneshot::Sender<Result<(), String>>)>;
+/// The proxy's end of the in-process transport: receives requests, answers each through its
+/// oneshot.
+pub type InProcessReceiver = mpsc::Receiver<AckedRequest>;
 
-/// Creates a connected pair.
-pub fn channel() -> (ZdsClient, ZdsReceiver) {
+/// Creates a connected in-process pair (queue of 100 requests).
+pub fn in_process() -> (InProcessSender, InProcessReceiver) {
     let (tx, rx) = mpsc::channel(100);
-    (ZdsClient { tx }, rx)
+    (InProcessSender { tx }, rx)
 }
 
-impl ZdsClient {
-    /// Sends `req` and waits for the ack; a nack becomes [`ZdsError::Nack`].
+impl InProcessSender {
+    /// Sends `req` and waits for the ack; a nack becomes [`ZdsError::Nack`], a proxy that went
+    /// away [`ZdsError::NoProxy`].
     pub async fn send(&self, req: WorkloadRequest) -> Result<(), ZdsError> {
         let (ack_tx, ack_rx) = oneshot::channel();
         self.tx
@@ -113,7 +128,7 @@ impl ZdsClient {
             .map_err(|_| ZdsError::NoProxy)?;
         match ack_rx.await {
             Ok(Ok(())) => Ok(()),
-            Ok(Err(text)) => Err(ZdsError::Nack(text)),
+            Ok(Err(nack)) => Err(ZdsError::Nack(nack)),
             Err(_) => Err(ZdsError::NoProxy),
         }
     }
@@ -128,36 +143,5 @@ impl WorkloadRequest {
             | WorkloadRequest::Del { uid } => Some(uid),
             WorkloadRequest::SnapshotSent => None,
         }
-    }
-}
-
-/// Where the agent sends workload requests: the in-process proxy or the ZDS socket server.
-#[derive(Debug, Clone)]
-pub enum WorkloadSink {
-    /// The proxy in the same process.
-    InProcess(ZdsClient),
-    /// Separate proxies connected to the agent's ZDS socket.
-    Socket(Arc<ZdsServer>),
-}
-
-impl WorkloadSink {
-    /// Sends `req` and waits for its ack (see [`ZdsClient::send`] and [`ZdsServer::send`]).
-    pub async fn send(&self, req: WorkloadRequest) -> Result<(), ZdsError> {
-        match self {
-            WorkloadSink::InProcess(c) => c.send(req).await,
-            WorkloadSink::Socket(s) => s.send(req).await,
-        }
-    }
-}
-
-impl From<ZdsClient> for WorkloadSink {
-    fn from(c: ZdsClient) -> Self {
-        WorkloadSink::InProcess(c)
-    }
-}
-
-impl From<Arc<ZdsServer>> for WorkloadSink {
-    fn from(s: Arc<ZdsServer>) -> Self {
-        WorkloadSink::Socket(s)
     }
 }

@@ -25,16 +25,11 @@ use std::path::PathBuf;
 pub use conflist::{CONVERTED_FROM_KEY, PLUGIN_TYPE};
 pub use watch::watch_and_repair;
 
+use crate::mesh::{DEFAULT_CNI_BIN_DIR, DEFAULT_CNI_CONF_DIR, DEFAULT_EXCLUDED_NAMESPACES};
 use conflist::EntryParams;
 
-/// Default CNI binary dir on the host.
-pub const DEFAULT_CNI_BIN_DIR: &str = "/opt/cni/bin";
-/// Default CNI network config dir on the host.
-pub const DEFAULT_CNI_CONF_DIR: &str = "/etc/cni/net.d";
 /// File name of the installed plugin binary (the multi-call binary dispatches on it).
 pub const PLUGIN_BINARY_NAME: &str = "ztnode-cni";
-/// Namespace excluded by default (`exclude_namespaces` in our entry).
-pub const DEFAULT_EXCLUDED_NAMESPACE: &str = "kube-system";
 
 /// Errors of the installer. Each names the file or directory concerned.
 #[derive(Debug, thiserror::Error)]
@@ -143,7 +138,7 @@ pub struct InstallConfig {
     pub source_binary: PathBuf,
     /// Agent run dir, written as `cni_agent_run_dir` (where the plugin finds `pluginevent.sock`).
     pub run_dir: PathBuf,
-    /// Written as `exclude_namespaces`; default `["kube-system"]`.
+    /// Written as `exclude_namespaces`; default [`DEFAULT_EXCLUDED_NAMESPACES`].
     pub exclude_namespaces: Vec<String>,
     /// Written as `plugin_log_level` if set.
     pub log_level: Option<String>,
@@ -179,7 +174,10 @@ impl InstallConfig {
             cni_conf_dir: DEFAULT_CNI_CONF_DIR.into(),
             source_binary,
             run_dir,
-            exclude_namespaces: vec![DEFAULT_EXCLUDED_NAMESPACE.into()],
+            exclude_namespaces: DEFAULT_EXCLUDED_NAMESPACES
+                .iter()
+                .map(|n| n.to_string())
+                .collect(),
             log_level: None,
         }
     }

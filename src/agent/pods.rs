@@ -25,10 +25,11 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use serde::Serialize;
 
 use crate::agent::enroll::EnrollmentPolicy;
+use crate::agent::proxy_link::WorkloadSink;
 use crate::agent::redirect::{self, RedirectPlan};
 use crate::netns::{Netns, NetnsError};
 use crate::podevent::{PodAddEvent, PodDelEvent};
-use crate::zds::{WorkloadInfo, WorkloadRequest, WorkloadSink, ZdsError};
+use crate::zds::{WorkloadInfo, WorkloadRequest, ZdsError};
 
 pub use rules::{NftRules, RuleApplier};
 pub use store::{PodRecord, STATE_FILE, Store, StoreError};
@@ -88,12 +89,9 @@ pub enum AddOutcome {
 pub struct EnrolledPod {
     /// Pod UID (ZDS uid).
     pub uid: String,
-    /// Pod name.
-    pub name: String,
-    /// Pod namespace.
-    pub namespace: String,
-    /// Service account.
-    pub service_account: String,
+    /// Name, namespace and service account (flattened into the pod's JSON).
+    #[serde(flatten)]
+    pub info: WorkloadInfo,
     /// netns path given by the runtime.
     pub netns: String,
     /// Sandbox id.
@@ -111,9 +109,7 @@ impl EnrolledPod {
     pub fn record(&self) -> PodRecord {
         PodRecord {
             uid: self.uid.clone(),
-            name: self.name.clone(),
-            namespace: self.namespace.clone(),
-            service_account: self.service_account.clone(),
+            info: self.info.clone(),
             netns: self.netns.clone(),
             container_id: self.container_id.clone(),
             ips: self.ips.clone(),
@@ -188,7 +184,7 @@ impl PodManager {
     /// The enrolled pods, sorted by namespace/name.
     pub fn enrolled(&self) -> Vec<EnrolledPod> {
         let mut v: Vec<_> = self.table().pods.values().cloned().collect();
-        v.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
+        v.sort_by(|a, b| (&a.info.namespace, &a.info.name).cmp(&(&b.info.namespace, &b.info.name)));
         v
     }
 
@@ -238,7 +234,7 @@ impl PodManager {
     }
 
     async fn restore_one(&self, rec: PodRecord) -> Restored {
-        let pod = format!("{}/{}", rec.namespace, rec.name);
+        let pod = format!("{}/{}", rec.info.namespace, rec.info.name);
         let netns = match Netns::open(&rec.netns) {
             Ok(n) => n,
             Err(e) => {
@@ -253,11 +249,7 @@ impl PodManager {
             return Restored::Dropped;
         }
         let span = tracing::info_span!("pod", %pod, uid = %rec.uid, netns = %netns.id());
-        let info = WorkloadInfo {
-            name: rec.name.clone(),
-            namespace: rec.namespace.clone(),
-            service_account: rec.service_account.clone(),
-        };
+        let info = rec.info.clone();
         let step = async {
             self.apply_rules(&pod, &netns).await?;
             self.zds
@@ -284,9 +276,7 @@ impl PodManager {
         };
         let entry = EnrolledPod {
             uid: rec.uid.clone(),
-            name: rec.name,
-            namespace: rec.namespace,
-            service_account: rec.service_account,
+            info: rec.info,
             netns: rec.netns,
             container_id: rec.container_id,
             ips: rec.ips,
@@ -385,9 +375,7 @@ impl PodManager {
         );
         let mut entry = EnrolledPod {
             uid: uid.clone(),
-            name: info.name.clone(),
-            namespace: info.namespace.clone(),
-            service_account: info.service_account.clone(),
+            info: info.clone(),
             netns: ev.netns,
             container_id: ev.container_id,
             ips: ev.ips.iter().map(|i| i.address.ip).collect(),
@@ -436,7 +424,7 @@ impl PodManager {
                     } else if !ev.pod_uid.is_empty() {
                         **uid == ev.pod_uid
                     } else {
-                        p.name == ev.pod_name && p.namespace == ev.pod_namespace
+                        p.info.name == ev.pod_name && p.info.namespace == ev.pod_namespace
                     }
                 })
                 .map(|(k, _)| k.clone());
@@ -447,7 +435,7 @@ impl PodManager {
             return Ok(());
         };
         self.persist(snapshot).await;
-        let name = format!("{}/{}", pod.namespace, pod.name);
+        let name = format!("{}/{}", pod.info.namespace, pod.info.name);
         if Path::new(&pod.netns).exists() {
             let ns = pod.handle.clone();
             let rules = self.rules.clone();
@@ -473,10 +461,6 @@ impl PodManager {
 
     /// Identity info of an enrolled pod by uid.
     pub fn info(&self, uid: &str) -> Option<WorkloadInfo> {
-        self.table().pods.get(uid).map(|p| WorkloadInfo {
-            name: p.name.clone(),
-            namespace: p.namespace.clone(),
-            service_account: p.service_account.clone(),
-        })
+        self.table().pods.get(uid).map(|p| p.info.clone())
     }
 }

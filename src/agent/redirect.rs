@@ -24,35 +24,12 @@ mod tests;
 
 use std::net::{Ipv4Addr, Ipv6Addr};
 
+use crate::mesh::{DEFAULT_PROBE_V4, DEFAULT_PROBE_V6, PacketMark};
 use crate::netns::{Netns, NetnsError};
 use crate::nft::{self, Batch, Command, NftError, Table};
 
-/// Packet mark ztunnel puts on its own sockets (`0x539` = 1337), compared under [`MARK_MASK`].
-pub const ZTUNNEL_MARK: u32 = 0x539;
-/// Connection mark of connections ztunnel accepted in-pod (`0x111`), under [`MARK_MASK`].
-pub const CONNMARK: u32 = 0x111;
-/// Mask of the mark bits this mesh owns (`0xfff`).
-pub const MARK_MASK: u32 = 0xfff;
-/// Policy routing table holding the local default route for connmarked replies.
-pub const ROUTE_TABLE: u32 = 100;
-/// Priority (`pref`) of the `fwmark` rule.
-pub const RULE_PRIORITY: u32 = 32764;
-/// ztunnel's outbound capture port.
-pub const OUTBOUND_PORT: u16 = 15001;
-/// ztunnel's inbound plaintext capture port.
-pub const INBOUND_PLAINTEXT_PORT: u16 = 15006;
-/// ztunnel's inbound HBONE port (never redirected).
-pub const INBOUND_HBONE_PORT: u16 = 15008;
-/// ztunnel's DNS proxy port.
-pub const DNS_CAPTURE_PORT: u16 = 15053;
 /// Conntrack zone of ztunnel's upstream DNS traffic.
 pub const DNS_CT_ZONE: u16 = 1;
-/// Default kubelet probe SNAT address (istio-cni `HOST_PROBE_SNAT_IP`).
-pub const DEFAULT_PROBE_V4: Ipv4Addr = Ipv4Addr::new(169, 254, 7, 127);
-/// Default kubelet probe SNAT address for IPv6 (istio-cni `HOST_PROBE_SNAT_IPV6`).
-pub const DEFAULT_PROBE_V6: Ipv6Addr = Ipv6Addr::new(
-    0xfd16, 0x9254, 0x7127, 0x1337, 0xffff, 0xffff, 0xffff, 0xffff,
-);
 
 /// The nat table (redirects).
 pub const NAT_TABLE: &str = "istio-ambient-nat";
@@ -73,6 +50,9 @@ pub struct RedirectPlan {
     pub probe_v4: Ipv4Addr,
     /// IPv6 probe SNAT address.
     pub probe_v6: Ipv6Addr,
+    /// The proxy's packet mark: packets carrying it are never captured, and they set the
+    /// connection mark. Must be the mark the proxy puts on its sockets.
+    pub proxy_mark: PacketMark,
 }
 
 /// Errors installing, removing or checking the redirection.
@@ -135,13 +115,14 @@ pub enum RedirectError {
 }
 
 impl Default for RedirectPlan {
-    /// IPv4 only, no DNS capture, Istio's default probe SNAT addresses.
+    /// IPv4 only, no DNS capture, Istio's default probe SNAT addresses and packet mark.
     fn default() -> Self {
         RedirectPlan {
             ipv6: false,
             dns_capture: false,
             probe_v4: DEFAULT_PROBE_V4,
             probe_v6: DEFAULT_PROBE_V6,
+            proxy_mark: PacketMark::DEFAULT,
         }
     }
 }

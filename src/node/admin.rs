@@ -3,7 +3,7 @@
 //! - admin `127.0.0.1:15000`: `GET /config_dump` → JSON `{workloads, services, policies, certificates,
 //!   workloadState, enrolledPods, version}`;
 //! - readiness `:15021`: `GET /healthz/ready` → `200 ready\n` once no start-up task is pending
-//!   ([`crate::node::ready`]), else `500 not ready, pending: ["task", ...]\n`;
+//!   ([`crate::ready`]), else `500 not ready, pending: ["task", ...]\n`;
 //! - stats `:15020`: `GET /metrics` (and `/stats/prometheus`) → Prometheus text.
 
 use std::convert::Infallible;
@@ -19,9 +19,9 @@ use serde_json::json;
 use tokio::net::TcpListener;
 
 use crate::agent::pods::PodManager;
-use crate::node::ready::Readiness;
 use crate::proxy::pods::ProxyManager;
 use crate::proxy::state::StateHandle;
+use crate::ready::Readiness;
 
 /// What the endpoints read.
 #[derive(Clone)]
@@ -186,7 +186,7 @@ mod tests {
             metrics: Metrics::default(),
             mark: 0x539,
         });
-        let (zds, _rx) = crate::zds::channel();
+        let (zds, _rx) = crate::zds::in_process();
         let policy: Arc<dyn crate::agent::enroll::EnrollmentPolicy> =
             Arc::new(|_: &str, _: &str| None);
         Admin {

@@ -9,12 +9,9 @@ use std::path::PathBuf;
 
 use serde_json::{Map, Value};
 
-use crate::podevent::DEFAULT_RUN_DIR;
+use crate::mesh::{DEFAULT_EXCLUDED_NAMESPACES, DEFAULT_RUN_DIR};
 
 use super::log::Level;
-
-/// Namespaces skipped when the config has no `exclude_namespaces` key.
-pub const DEFAULT_EXCLUDED_NAMESPACES: &[&str] = &["kube-system"];
 
 /// Why the config on stdin was rejected.
 #[derive(Debug, thiserror::Error)]

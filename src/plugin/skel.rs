@@ -4,8 +4,8 @@
 use std::fmt;
 use std::path::PathBuf;
 
-use super::Env;
 use super::client::AgentError;
+use super::env::Env;
 use super::netconf::{ConfError, K8sArgs, valid_identifier};
 use super::result::ResultError;
 use super::version::CniVersion;
@@ -365,7 +365,7 @@ pub fn to_line<T: Serialize>(value: &T) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plugin::MapEnv;
+    use crate::plugin::env::MapEnv;
     use serde_json::Value;
 
     #[test]

@@ -23,7 +23,7 @@ use crate::proxy::pool::{POOL_SWEEP_INTERVAL, Pool};
 use crate::proxy::socket::{PodSockets, SocketError};
 use crate::proxy::state::{StateHandle, Workload};
 use crate::proxy::{inbound, outbound, tls};
-use crate::zds::{WorkloadInfo, WorkloadRequest, ZdsReceiver};
+use crate::zds::{InProcessReceiver, Nack, WorkloadInfo, WorkloadRequest};
 
 /// How long an Add waits for the pod's workload to appear in the state.
 const WORKLOAD_WAIT: Duration = Duration::from_secs(5);
@@ -153,7 +153,11 @@ impl ProxyManager {
     /// once the first `SnapshotSent` arrived while no workload's start has failed (a failed Add
     /// stays pending until a later Add of that uid succeeds or a Del removes it), and with `false`
     /// when that stops holding. Each change is reported before the request's ack.
-    pub async fn run(self: Arc<Self>, mut rx: ZdsReceiver, mut on_ready: impl FnMut(bool) + Send) {
+    pub async fn run(
+        self: Arc<Self>,
+        mut rx: InProcessReceiver,
+        mut on_ready: impl FnMut(bool) + Send,
+    ) {
         let mut snapshot = false;
         let mut failed: HashSet<String> = HashSet::new();
         let mut ready = false;
@@ -166,7 +170,7 @@ impl ProxyManager {
                     } else {
                         failed.insert(uid);
                     }
-                    res.map_err(|e| format!("failure to start proxy : {e}"))
+                    res.map_err(|e| Nack::new(format!("failure to start proxy : {e}")))
                 }
                 WorkloadRequest::Del { uid } => {
                     self.del(&uid);

@@ -3,7 +3,7 @@
 //! every request with one `WorkloadResponse{ack}`.
 //!
 //! Requests are turned into [`WorkloadRequest`]s (the SCM_RIGHTS fd of an Add becomes its [`Netns`])
-//! and passed to the proxy through the in-process channel ([`ZdsClient`]), whose ack or nack text is
+//! and passed to the proxy through the in-process channel ([`InProcessSender`]), whose ack or nack text is
 //! sent back. fd rules: exactly one fd with an Add, none with anything else. On `SnapshotSent` the
 //! workloads not named since this connection started are deleted ([`SnapshotState`]).
 //!
@@ -22,7 +22,7 @@ use prost::Message;
 
 use super::packet::{self, Packet, PacketError};
 use super::proto::{self, workload_request::Payload};
-use super::{WorkloadInfo, WorkloadRequest, ZdsClient, ZdsError};
+use super::{InProcessSender, WorkloadRequest, ZdsError};
 use crate::netns::Netns;
 
 /// First reconnect delay.
@@ -117,7 +117,7 @@ type Handled = Result<Option<String>, ClientError>;
 /// Errors: a protocol error from the agent or a stopped proxy ([`ClientError::is_fatal`]).
 pub async fn run(
     path: PathBuf,
-    proxy: ZdsClient,
+    proxy: InProcessSender,
     shutdown: impl Future<Output = ()>,
     mut on_connection: impl FnMut(bool),
 ) -> Result<(), ClientError> {
@@ -154,7 +154,7 @@ pub async fn run(
 /// One connection: connect, hello, then requests until an error ends it (also the agent closing).
 async fn session(
     path: &Path,
-    proxy: &ZdsClient,
+    proxy: &InProcessSender,
     state: &mut SnapshotState,
     delay: &mut Duration,
     on_connection: &mut impl FnMut(bool),
@@ -195,7 +195,7 @@ async fn session(
 }
 
 /// Decodes one request, checks its fds, and passes it to the proxy.
-async fn handle(pkt: Packet, proxy: &ZdsClient, state: &mut SnapshotState) -> Handled {
+async fn handle(pkt: Packet, proxy: &InProcessSender, state: &mut SnapshotState) -> Handled {
     let req = proto::WorkloadRequest::decode(pkt.data.as_slice()).map_err(ClientError::Decode)?;
     let mut fds = pkt.fds;
     let payload = req.payload.ok_or(ClientError::EmptyRequest)?;
@@ -221,11 +221,6 @@ async fn handle(pkt: Packet, proxy: &ZdsClient, state: &mut SnapshotState) -> Ha
                     source,
                 }
             })?;
-            let info = WorkloadInfo {
-                name: info.name,
-                namespace: info.namespace,
-                service_account: info.service_account,
-            };
             tracing::info!(%uid, name = %info.name, namespace = %info.namespace, netns = %netns.id(), "AddWorkload");
             let res = forward(
                 proxy,
@@ -263,10 +258,10 @@ async fn handle(pkt: Packet, proxy: &ZdsClient, state: &mut SnapshotState) -> Ha
 }
 
 /// Passes `req` to the in-process proxy: ack `None`, nack `Some(text)`.
-async fn forward(proxy: &ZdsClient, req: WorkloadRequest) -> Handled {
+async fn forward(proxy: &InProcessSender, req: WorkloadRequest) -> Handled {
     match proxy.send(req).await {
         Ok(()) => Ok(None),
-        Err(ZdsError::Nack(text)) => Ok(Some(text)),
+        Err(ZdsError::Nack(nack)) => Ok(Some(nack.message)),
         Err(_) => Err(ClientError::ProxyGone),
     }
 }

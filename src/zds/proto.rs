@@ -20,8 +20,10 @@ pub struct ZdsHello {
     pub version: i32,
 }
 
-/// `WorkloadInfo`: how the proxy finds the pod's workload (field 4 `trust_domain` is reserved).
-#[derive(Clone, PartialEq, Eq, prost::Message)]
+/// `WorkloadInfo`: how the proxy finds the pod's workload and identity (field 4 `trust_domain` is
+/// reserved). The one pod shape the agent and the proxy share: on the wire, in the agent's state
+/// file and pod table (flattened, snake_case keys) and in `/config_dump`.
+#[derive(Clone, PartialEq, Eq, Hash, prost::Message, serde::Serialize, serde::Deserialize)]
 pub struct WorkloadInfo {
     /// `name = 1`: pod name.
     #[prost(string, tag = "1")]
@@ -29,7 +31,7 @@ pub struct WorkloadInfo {
     /// `namespace = 2`: pod namespace.
     #[prost(string, tag = "2")]
     pub namespace: String,
-    /// `service_account = 3`.
+    /// `service_account = 3`: the Kubernetes service account (the SPIFFE `sa` segment).
     #[prost(string, tag = "3")]
     pub service_account: String,
 }

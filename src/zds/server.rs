@@ -23,7 +23,7 @@ use tokio::task::JoinSet;
 
 use super::packet::{self, PacketError, SeqPacket, SeqPacketListener};
 use super::proto::{self, workload_request::Payload, workload_response};
-use super::{WorkloadInfo, WorkloadRequest, ZdsError};
+use super::{Nack, WorkloadInfo, WorkloadRequest, ZdsError};
 use crate::netns::Netns;
 
 /// Deadline of each write and of each ack or hello read (Istio `readWriteDeadline`).
@@ -139,11 +139,7 @@ pub fn bind(path: &Path) -> Result<SeqPacketListener, ServerError> {
 fn add_msg(uid: &str, info: &WorkloadInfo) -> proto::WorkloadRequest {
     proto::WorkloadRequest::new(Payload::Add(proto::AddWorkload {
         uid: uid.to_owned(),
-        workload_info: Some(proto::WorkloadInfo {
-            name: info.name.clone(),
-            namespace: info.namespace.clone(),
-            service_account: info.service_account.clone(),
-        }),
+        workload_info: Some(info.clone()),
     }))
 }
 
@@ -168,7 +164,7 @@ async fn exchange(
             .map_err(ZdsError::Conn)?;
     match resp.payload {
         Some(workload_response::Payload::Ack(a)) if a.error.is_empty() => Ok(()),
-        Some(workload_response::Payload::Ack(a)) => Err(ZdsError::Nack(a.error)),
+        Some(workload_response::Payload::Ack(a)) => Err(ZdsError::Nack(Nack::new(a.error))),
         None => Err(ZdsError::EmptyResponse),
     }
 }

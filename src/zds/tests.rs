@@ -13,7 +13,7 @@ use tokio::task::JoinHandle;
 use super::packet::{self, PacketError, SeqPacket};
 use super::proto::{self, workload_request::Payload};
 use super::server::{self, ZdsServer};
-use super::{WorkloadInfo, WorkloadRequest, ZdsClient, ZdsError, client};
+use super::{InProcessSender, WorkloadInfo, WorkloadRequest, ZdsError, client};
 use crate::netns::{Netns, NetnsId};
 
 /// Upper bound for any wait, so a broken test fails instead of hanging (not a timing assertion).
@@ -29,8 +29,8 @@ enum Seen {
 }
 
 /// A fake proxy: records every request and nacks the uids in `nacks` with their text.
-fn fake_proxy(nacks: HashMap<String, String>) -> (ZdsClient, mpsc::UnboundedReceiver<Seen>) {
-    let (link, mut rx) = super::channel();
+fn fake_proxy(nacks: HashMap<String, String>) -> (InProcessSender, mpsc::UnboundedReceiver<Seen>) {
+    let (link, mut rx) = super::in_process();
     let (tx, seen) = mpsc::unbounded_channel();
     tokio::spawn(async move {
         while let Some((req, ack)) = rx.recv().await {
@@ -41,7 +41,7 @@ fn fake_proxy(nacks: HashMap<String, String>) -> (ZdsClient, mpsc::UnboundedRece
                 WorkloadRequest::Keep { uid } => Seen::Keep(uid),
                 WorkloadRequest::SnapshotSent => Seen::SnapshotSent,
             });
-            let _ = ack.send(nack.map_or(Ok(()), Err));
+            let _ = ack.send(nack.map_or(Ok(()), |text| Err(super::Nack::new(text))));
         }
     });
     (link, seen)
@@ -113,14 +113,14 @@ impl Agent {
     }
 }
 
-fn spawn_client(path: &Path, link: ZdsClient) -> JoinHandle<Result<(), client::ClientError>> {
+fn spawn_client(path: &Path, link: InProcessSender) -> JoinHandle<Result<(), client::ClientError>> {
     spawn_watched_client(path, link).0
 }
 
 /// [`spawn_client`], plus whether it is connected (its `on_connection` reports).
 fn spawn_watched_client(
     path: &Path,
-    link: ZdsClient,
+    link: InProcessSender,
 ) -> (
     JoinHandle<Result<(), client::ClientError>>,
     watch::Receiver<bool>,
@@ -194,7 +194,7 @@ async fn snapshot_then_steady_state_adds_dels_and_nacks() {
     expect_seen(&mut seen, &[seen_add("pod-c")]).await;
     let err = agent.server.send(add("pod-bad")).await.expect_err("nack");
     match err {
-        ZdsError::Nack(text) => assert_eq!(text, "no such workload"),
+        ZdsError::Nack(nack) => assert_eq!(nack.message, "no such workload"),
         other => panic!("expected a nack, got {other}"),
     }
     expect_seen(&mut seen, &[seen_add("pod-bad")]).await;

@@ -17,6 +17,7 @@ use std::sync::Mutex;
 use serde::{Deserialize, Serialize};
 
 use crate::netns::NetnsId;
+use crate::zds::WorkloadInfo;
 
 /// File name of the table inside the run dir.
 pub const STATE_FILE: &str = "pods.json";
@@ -69,12 +70,9 @@ pub enum StoreError {
 pub struct PodRecord {
     /// Pod UID (ZDS uid).
     pub uid: String,
-    /// Pod name.
-    pub name: String,
-    /// Pod namespace.
-    pub namespace: String,
-    /// Service account.
-    pub service_account: String,
+    /// Name, namespace and service account (flattened: `name`, `namespace`, `service_account`).
+    #[serde(flatten)]
+    pub info: WorkloadInfo,
     /// netns path given by the runtime.
     pub netns: String,
     /// Sandbox id.

@@ -7,7 +7,7 @@ use std::os::unix::fs::PermissionsExt;
 use super::store::StoredNetnsId;
 use super::*;
 use crate::podevent::{IpNet, PodIp};
-use crate::zds::{self, ZdsClient};
+use crate::zds::{self, InProcessSender};
 
 const OWN_NETNS: &str = "/proc/self/ns/net";
 
@@ -36,8 +36,8 @@ impl RuleApplier for FakeRules {
 
 /// A proxy that acks every request and records it as `add <uid>`, `del <uid>`, `keep <uid>` or
 /// `snapshot`.
-fn fake_proxy() -> (ZdsClient, Arc<Mutex<Vec<String>>>) {
-    let (client, mut rx) = zds::channel();
+fn fake_proxy() -> (InProcessSender, Arc<Mutex<Vec<String>>>) {
+    let (client, mut rx) = zds::in_process();
     let seen = Arc::new(Mutex::new(Vec::new()));
     let log = seen.clone();
     tokio::spawn(async move {
@@ -173,9 +173,9 @@ async fn the_table_is_persisted_on_every_add_and_del_with_mode_0600() {
     let a = &recs[0];
     assert_eq!(
         (
-            a.name.as_str(),
-            a.namespace.as_str(),
-            a.service_account.as_str()
+            a.info.name.as_str(),
+            a.info.namespace.as_str(),
+            a.info.service_account.as_str()
         ),
         ("a", "default", "sa-a")
     );
@@ -286,9 +286,11 @@ fn an_older_generation_does_not_overwrite_a_newer_one() {
     let store = Store::new(dir.path());
     let rec = |uid: &str| PodRecord {
         uid: uid.into(),
-        name: "n".into(),
-        namespace: "default".into(),
-        service_account: "sa".into(),
+        info: WorkloadInfo {
+            name: "n".into(),
+            namespace: "default".into(),
+            service_account: "sa".into(),
+        },
         netns: OWN_NETNS.into(),
         container_id: "c".into(),
         ips: vec![],

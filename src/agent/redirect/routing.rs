@@ -16,7 +16,8 @@ use netlink_packet_route::route::{RouteMessage, RouteProtocol, RouteScope, Route
 use netlink_packet_route::rule::{RuleAction, RuleAttribute, RuleMessage};
 use rtnetlink::{Handle, LinkUnspec, RouteMessageBuilder};
 
-use super::{CONNMARK, MARK_MASK, ROUTE_TABLE, RULE_PRIORITY, RedirectError};
+use super::RedirectError;
+use crate::mesh::{CONNMARK, MARK_MASK, ROUTE_TABLE, RULE_PRIORITY};
 
 const EEXIST: i32 = libc::EEXIST;
 const ENOENT: i32 = libc::ENOENT;

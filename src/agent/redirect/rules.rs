@@ -7,9 +7,10 @@ use std::net::IpAddr;
 use crate::nft::{Chain, ChainHook, ChainType, Command, Hook, Rule, Table};
 
 use super::rule_spec::{Action, Dir, Match, Proto, RuleSpec, jump, port, rule};
-use super::{
-    CONNMARK, DNS_CAPTURE_PORT, DNS_CT_ZONE, INBOUND_HBONE_PORT, INBOUND_PLAINTEXT_PORT,
-    MANGLE_TABLE, MARK_MASK, NAT_TABLE, OUTBOUND_PORT, RAW_TABLE, RedirectPlan, ZTUNNEL_MARK,
+use super::{DNS_CT_ZONE, MANGLE_TABLE, NAT_TABLE, RAW_TABLE, RedirectPlan};
+use crate::mesh::{
+    CONNMARK, DNS_PORT as DNS_CAPTURE_PORT, HBONE_PORT as INBOUND_HBONE_PORT,
+    INBOUND_PLAINTEXT_PORT, MARK_MASK, OUTBOUND_PORT,
 };
 
 /// Names of the chains in every table.
@@ -102,9 +103,9 @@ fn hook(chain_type: ChainType, hook: Hook, priority: i32) -> ChainHook {
 
 /// The rule set of istio-cni's nftables backend (spec §4.9), in its emission order.
 fn tables(plan: &RedirectPlan) -> Vec<TableSpec> {
-    let mut v = vec![nat_table(plan), mangle_table()];
+    let mut v = vec![nat_table(plan), mangle_table(plan)];
     if plan.dns_capture {
-        v.push(raw_table());
+        v.push(raw_table(plan));
     }
     v
 }
@@ -126,10 +127,10 @@ fn families(plan: &RedirectPlan) -> Vec<(IpAddr, IpAddr, u8)> {
     v
 }
 
-fn not_ztunnel() -> Match {
+fn not_ztunnel(plan: &RedirectPlan) -> Match {
     Match::MetaMark {
         mask: MARK_MASK,
-        value: ZTUNNEL_MARK,
+        value: plan.proxy_mark.get(),
         negate: true,
     }
 }
@@ -167,7 +168,7 @@ fn nat_table(plan: &RedirectPlan) -> TableSpec {
         let m = vec![
             not_loopback(lo, len),
             port(Proto::Tcp, Dir::Dst, INBOUND_HBONE_PORT, true),
-            not_ztunnel(),
+            not_ztunnel(plan),
         ];
         rules.push(rule(
             ISTIO_PREROUTING,
@@ -181,7 +182,7 @@ fn nat_table(plan: &RedirectPlan) -> TableSpec {
                 name: LOOPBACK,
                 negate: true,
             },
-            not_ztunnel(),
+            not_ztunnel(plan),
             port(Proto::Udp, Dir::Dst, DNS_PORT, false),
         ];
         rules.push(rule(ISTIO_OUTPUT, udp, Action::Redirect(DNS_CAPTURE_PORT)));
@@ -189,7 +190,7 @@ fn nat_table(plan: &RedirectPlan) -> TableSpec {
             let tcp = vec![
                 not_loopback(lo, len),
                 port(Proto::Tcp, Dir::Dst, DNS_PORT, false),
-                not_ztunnel(),
+                not_ztunnel(plan),
             ];
             rules.push(rule(ISTIO_OUTPUT, tcp, Action::Redirect(DNS_CAPTURE_PORT)));
         }
@@ -218,7 +219,11 @@ fn nat_table(plan: &RedirectPlan) -> TableSpec {
     }
     // Outbound TCP from the app goes to ztunnel's outbound port.
     for &(_, lo, len) in &fams {
-        let m = vec![L4Proto(Proto::Tcp), not_loopback(lo, len), not_ztunnel()];
+        let m = vec![
+            L4Proto(Proto::Tcp),
+            not_loopback(lo, len),
+            not_ztunnel(plan),
+        ];
         rules.push(rule(ISTIO_OUTPUT, m, Action::Redirect(OUTBOUND_PORT)));
     }
     TableSpec {
@@ -231,10 +236,10 @@ fn nat_table(plan: &RedirectPlan) -> TableSpec {
     }
 }
 
-fn mangle_table() -> TableSpec {
+fn mangle_table(plan: &RedirectPlan) -> TableSpec {
     let from_ztunnel = Match::MetaMark {
         mask: MARK_MASK,
-        value: ZTUNNEL_MARK,
+        value: plan.proxy_mark.get(),
         negate: false,
     };
     let connmarked = Match::CtMark {
@@ -263,10 +268,10 @@ fn mangle_table() -> TableSpec {
     }
 }
 
-fn raw_table() -> TableSpec {
+fn raw_table(plan: &RedirectPlan) -> TableSpec {
     let mark = |negate| Match::MetaMark {
         mask: MARK_MASK,
-        value: ZTUNNEL_MARK,
+        value: plan.proxy_mark.get(),
         negate,
     };
     TableSpec {

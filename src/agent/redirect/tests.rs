@@ -109,6 +109,19 @@ fn default_plan_uses_istio_probe_addresses() {
 }
 
 #[test]
+fn the_proxy_mark_comes_from_the_plan_everywhere_the_default_one_was() {
+    let default = render_script(&plan(true, true));
+    let p = RedirectPlan {
+        proxy_mark: crate::mesh::PacketMark::new(0x540).expect("mark"),
+        ..plan(true, true)
+    };
+    let s = render_script(&p);
+    assert!(!s.contains("0x539"), "{s}");
+    assert_eq!(s, default.replace("0x539", "0x540"));
+    assert!(default.matches("0x539").count() >= 6, "{default}");
+}
+
+#[test]
 fn probe_addresses_come_from_the_plan() {
     let p = RedirectPlan {
         probe_v4: "10.9.8.7".parse().expect("v4"),
