@@ -11,6 +11,7 @@ pub mod copy;
 pub mod hbone;
 pub mod identity;
 pub mod inbound;
+pub mod metrics;
 pub mod outbound;
 pub mod pods;
 pub mod pool;

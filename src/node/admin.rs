@@ -172,8 +172,8 @@ mod tests {
 
     use super::*;
     use crate::agent::redirect::RedirectPlan;
-    use crate::proxy::accesslog::Metrics;
     use crate::proxy::identity::{Ca, CertManager};
+    use crate::proxy::metrics::Metrics;
     use crate::proxy::pods::ProxyContext;
     use crate::proxy::state::ProxyState;
 

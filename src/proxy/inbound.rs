@@ -19,11 +19,12 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 use tokio::task::JoinSet;
 
-use crate::proxy::accesslog::{ConnectionLog, Direction};
+use crate::proxy::accesslog::ConnectionLog;
 use crate::proxy::authz;
 use crate::proxy::copy;
 use crate::proxy::hbone::{self, CONNECT_TIMEOUT, HANDSHAKE_TIMEOUT, ILLEGAL_PORTS};
 use crate::proxy::identity::Identity;
+use crate::proxy::metrics::Direction;
 use crate::proxy::pods::PodProxy;
 use crate::proxy::socket::{self, SocketError};
 use crate::proxy::task::{self, ClientSide, Logged, ServerSide};

@@ -14,9 +14,10 @@ use std::sync::Arc;
 use futures::future::Either;
 use tokio::net::TcpStream;
 
-use crate::proxy::accesslog::{ConnectionLog, Direction};
+use crate::proxy::accesslog::ConnectionLog;
 use crate::proxy::copy::{self, Transferred};
 use crate::proxy::hbone::{self, CONNECT_TIMEOUT, ILLEGAL_PORTS};
+use crate::proxy::metrics::Direction;
 use crate::proxy::pods::PodProxy;
 use crate::proxy::pool::{PoolError, PoolKey};
 use crate::proxy::route::{self, RouteError};

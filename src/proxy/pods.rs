@@ -16,9 +16,9 @@ use tokio::net::TcpListener;
 use tokio::task::{AbortHandle, JoinSet};
 
 use crate::netns::{Netns, NetnsId};
-use crate::proxy::accesslog::Metrics;
 use crate::proxy::hbone::{HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT};
 use crate::proxy::identity::{CertManager, Identity};
+use crate::proxy::metrics::Metrics;
 use crate::proxy::pool::{POOL_SWEEP_INTERVAL, Pool};
 use crate::proxy::socket::{PodSockets, SocketError};
 use crate::proxy::state::{StateHandle, Workload};
