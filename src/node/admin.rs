@@ -20,7 +20,7 @@ use tokio::net::TcpListener;
 
 use crate::agent::pods::PodManager;
 use crate::node::ready::Readiness;
-use crate::proxy::pods::ProxyManager;
+use crate::proxy::manager::ProxyManager;
 use crate::proxy::state::StateHandle;
 
 /// What the endpoints read.
@@ -174,7 +174,7 @@ mod tests {
     use crate::agent::redirect::RedirectPlan;
     use crate::proxy::identity::{Ca, CertManager};
     use crate::proxy::metrics::Metrics;
-    use crate::proxy::pods::ProxyContext;
+    use crate::proxy::pod::ProxyContext;
     use crate::proxy::state::ProxyState;
 
     fn admin(ready: Readiness) -> Admin {

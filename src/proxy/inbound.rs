@@ -25,7 +25,7 @@ use crate::proxy::copy;
 use crate::proxy::hbone::{self, CONNECT_TIMEOUT, HANDSHAKE_TIMEOUT, ILLEGAL_PORTS};
 use crate::proxy::identity::Identity;
 use crate::proxy::metrics::Direction;
-use crate::proxy::pods::PodProxy;
+use crate::proxy::pod::PodProxy;
 use crate::proxy::socket::{self, SocketError};
 use crate::proxy::task::{self, ClientSide, Logged, ServerSide};
 

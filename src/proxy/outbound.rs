@@ -18,7 +18,7 @@ use crate::proxy::accesslog::ConnectionLog;
 use crate::proxy::copy::{self, Transferred};
 use crate::proxy::hbone::{self, CONNECT_TIMEOUT, ILLEGAL_PORTS};
 use crate::proxy::metrics::Direction;
-use crate::proxy::pods::PodProxy;
+use crate::proxy::pod::PodProxy;
 use crate::proxy::pool::{PoolError, PoolKey};
 use crate::proxy::route::{self, RouteError};
 use crate::proxy::task::{self, ClientSide, Logged};

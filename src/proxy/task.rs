@@ -23,7 +23,7 @@ use futures::future::OptionFuture;
 use crate::proxy::accesslog::ConnectionLog;
 use crate::proxy::copy::Transferred;
 use crate::proxy::metrics::ByteCounts;
-use crate::proxy::pods::ProxyContext;
+use crate::proxy::pod::ProxyContext;
 
 /// A relay whose end is logged and counted (`finish` on the connection's [`ConnectionLog`]), once:
 /// polled again after it ended, it is `Ready` without polling the relay.
