@@ -11,8 +11,6 @@
 //! the stream: RFC 9113 §8.7), which covers a GOAWAY racing the pool's readiness check.
 
 mod connector;
-#[cfg(test)]
-mod tests;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -343,3 +341,6 @@ fn copy_head(req: &Request<()>) -> Request<()> {
     *copy.headers_mut() = req.headers().clone();
     copy
 }
+
+#[cfg(test)]
+mod tests;
