@@ -4,6 +4,8 @@
 //! and its identity ([`NetnsId`]: inode and device of the nsfs file, as istio-cni and ztunnel compare
 //! them). [`Netns::run`] executes a closure inside the namespace on a dedicated OS thread, so `setns`
 //! never runs on an async worker thread; sockets created inside the closure stay in that namespace.
+//! [`Netns::enter`] moves a thread of the caller's own into the namespace for good. These two are
+//! the crate's only `setns` calls.
 
 use std::fs::File;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
@@ -113,20 +115,32 @@ impl Netns {
         F: FnOnce() -> R + Send,
         R: Send,
     {
-        let id = self.id;
-        let fd = self.file.as_fd();
         std::thread::scope(|s| {
             let handle = std::thread::Builder::new()
                 .name("netns".into())
                 .spawn_scoped(s, move || {
-                    setns(fd, CloneFlags::CLONE_NEWNET)
-                        .map_err(|source| NetnsError::Enter { id, source })?;
+                    self.enter()?;
                     Ok(f())
                 })
                 .map_err(|e| NetnsError::Thread(e.to_string()))?;
             handle
                 .join()
                 .map_err(|_| NetnsError::Thread("panicked".into()))?
+        })
+    }
+
+    /// Moves the calling thread into this namespace (`setns(2)`), for the rest of the thread's life.
+    ///
+    /// Only for a thread dedicated to the namespace (never an async worker or a pooled thread):
+    /// everything it does afterwards, sockets it creates included, happens inside. [`Netns::run`]
+    /// is the scoped form.
+    ///
+    /// # Errors
+    /// [`NetnsError::Enter`] with the kernel's errno (EPERM without CAP_SYS_ADMIN).
+    pub fn enter(&self) -> Result<(), NetnsError> {
+        setns(self.file.as_fd(), CloneFlags::CLONE_NEWNET).map_err(|source| NetnsError::Enter {
+            id: self.id,
+            source,
         })
     }
 

@@ -23,7 +23,7 @@ use tokio::sync::watch;
 use crate::agent::enroll::EnrollmentPolicy;
 use crate::agent::pods::PodManager;
 use crate::agent::{self, AgentConfig};
-use crate::proxy::pods::ProxyManager;
+use crate::proxy::manager::ProxyManager;
 use crate::proxy::state::{self, Protocol, StateHandle};
 use crate::proxy::{self, ProxyConfig};
 use crate::ready::Readiness;

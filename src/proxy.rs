@@ -1,11 +1,16 @@
 //! The proxy role (`ztunnel`): per-pod listeners, HBONE client/server, identities, workload state.
 //!
-//! A pod's journey here: the agent hands its netns over ([`crate::zds`]) → [`pods`] binds the
-//! listeners inside it → [`outbound`] tunnels the app's connections over HBONE ([`pool`], [`tls`],
-//! [`identity`]) → the peer's [`inbound`] checks and forwards them to its app.
+//! A pod's journey here: the agent hands its netns over ([`crate::zds`]) → [`manager`] binds the
+//! listeners inside it and runs their accept loop with the pod's context ([`pod`]) → [`outbound`]
+//! tunnels the app's connections over HBONE ([`pool`], [`tls`], [`identity`]) → the peer's
+//! [`inbound`] checks and forwards them to its app; both log and count each connection
+//! ([`accesslog`], [`metrics`]).
+//!
+//! The modules form a one-way stack: the manager sits on top; the connection code ([`inbound`],
+//! [`outbound`], [`task`]) sees only the per-pod context, never the manager.
 //!
 //! [`start`] is the role's front door: built-in CA, certificates and the proxy manager, fed by the
-//! returned in-process ZDS receiver's sender.
+//! returned in-process ZDS link.
 
 pub mod accesslog;
 pub mod authz;
@@ -14,8 +19,10 @@ pub mod copy;
 pub mod hbone;
 pub mod identity;
 pub mod inbound;
+pub mod manager;
+pub mod metrics;
 pub mod outbound;
-pub mod pods;
+pub mod pod;
 pub mod pool;
 pub mod route;
 pub mod socket;
@@ -31,9 +38,10 @@ use std::time::Duration;
 use crate::mesh::{self, PacketMark};
 use crate::ready::Readiness;
 use crate::zds::{self, InProcessSender};
-use accesslog::Metrics;
+use manager::ProxyManager;
+use metrics::Metrics;
 use identity::{Ca, CertManager, IdentityError};
-use pods::{ProxyContext, ProxyManager};
+use pod::ProxyContext;
 use state::StateHandle;
 
 /// Readiness task of the proxy (ztunnel's name): pending until the first ZDS snapshot has been

@@ -19,7 +19,7 @@ use serde_json::json;
 use tokio::net::TcpListener;
 
 use crate::agent::pods::PodManager;
-use crate::proxy::pods::ProxyManager;
+use crate::proxy::manager::ProxyManager;
 use crate::proxy::state::StateHandle;
 use crate::ready::Readiness;
 
@@ -172,9 +172,9 @@ mod tests {
 
     use super::*;
     use crate::agent::redirect::RedirectPlan;
-    use crate::proxy::accesslog::Metrics;
     use crate::proxy::identity::{Ca, CertManager};
-    use crate::proxy::pods::ProxyContext;
+    use crate::proxy::metrics::Metrics;
+    use crate::proxy::pod::ProxyContext;
     use crate::proxy::state::ProxyState;
 
     fn admin(ready: Readiness) -> Admin {

@@ -29,6 +29,18 @@ pub const SERVER_MAX_STREAMS: u32 = 200;
 /// Max buffered outgoing bytes per stream on the server (ztunnel: 400 KiB).
 pub const SERVER_SEND_BUFFER: usize = 400 * 1024;
 
+/// TCP connect timeout towards a peer's 15008, as ztunnel; it also bounds the outbound TLS and
+/// HTTP/2 handshakes of a new pooled connection, and the proxy's connects to the app and to
+/// passthrough destinations.
+pub const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+/// Time the server allows for each of the TLS and the HTTP/2 handshake of an inbound HBONE
+/// connection.
+pub const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+/// Interval between the HTTP/2 PINGs of an HBONE connection ([`keepalive`]).
+pub const PING_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
+/// Time a PING may wait for its PONG before the connection is given up ([`keepalive`]).
+pub const PING_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(20);
+
 /// Errors parsing a CONNECT `:authority`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AuthorityError {
@@ -125,6 +137,22 @@ pub fn server_builder() -> h2::server::Builder {
         .max_concurrent_streams(SERVER_MAX_STREAMS)
         .max_header_list_size(64 * 1024);
     b
+}
+
+/// HTTP/2 keepalive of one HBONE connection, client or server: a PING every [`PING_INTERVAL`];
+/// returns when a PONG does not arrive within [`PING_TIMEOUT`] (ztunnel `do_ping_pong`). Never
+/// returns when `ping` is `None` (already taken).
+pub async fn keepalive(ping: Option<h2::PingPong>) {
+    let Some(mut ping) = ping else {
+        return std::future::pending().await;
+    };
+    loop {
+        tokio::time::sleep(PING_INTERVAL).await;
+        match tokio::time::timeout(PING_TIMEOUT, ping.ping(h2::Ping::opaque())).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(_)) | Err(_) => return,
+        }
+    }
 }
 
 #[cfg(test)]

@@ -19,18 +19,15 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 use tokio::task::JoinSet;
 
-use crate::proxy::accesslog::{ConnectionLog, Direction};
+use crate::proxy::accesslog::ConnectionLog;
 use crate::proxy::authz;
 use crate::proxy::copy;
-use crate::proxy::hbone::{self, ILLEGAL_PORTS};
+use crate::proxy::hbone::{self, CONNECT_TIMEOUT, HANDSHAKE_TIMEOUT, ILLEGAL_PORTS};
 use crate::proxy::identity::Identity;
-use crate::proxy::pods::PodProxy;
-use crate::proxy::pool::{self, CONNECT_TIMEOUT};
+use crate::proxy::metrics::Direction;
+use crate::proxy::pod::PodProxy;
 use crate::proxy::socket::{self, SocketError};
 use crate::proxy::task::{self, ClientSide, Logged, ServerSide};
-
-/// Time allowed for the TLS and HTTP/2 handshakes of an inbound HBONE connection.
-const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Why an inbound stream or connection was refused.
 #[derive(Debug, thiserror::Error)]
@@ -133,7 +130,7 @@ pub async fn serve_streams<T, F, Fut>(
     Fut: Future<Output = ()> + Send + 'static,
 {
     let mut streams = JoinSet::new();
-    let keepalive = pool::keepalive(conn.ping_pong());
+    let keepalive = hbone::keepalive(conn.ping_pong());
     tokio::pin!(keepalive);
     loop {
         tokio::select! {

@@ -14,11 +14,12 @@ use std::sync::Arc;
 use futures::future::Either;
 use tokio::net::TcpStream;
 
-use crate::proxy::accesslog::{ConnectionLog, Direction};
+use crate::proxy::accesslog::ConnectionLog;
 use crate::proxy::copy::{self, Transferred};
-use crate::proxy::hbone::{self, ILLEGAL_PORTS};
-use crate::proxy::pods::PodProxy;
-use crate::proxy::pool::{CONNECT_TIMEOUT, PoolError, PoolKey};
+use crate::proxy::hbone::{self, CONNECT_TIMEOUT, ILLEGAL_PORTS};
+use crate::proxy::metrics::Direction;
+use crate::proxy::pod::PodProxy;
+use crate::proxy::pool::{PoolError, PoolKey};
 use crate::proxy::route::{self, RouteError};
 use crate::proxy::task::{self, ClientSide, Logged};
 

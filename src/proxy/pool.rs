@@ -3,16 +3,14 @@
 //! Keyed by (source identity, destination identity, destination HBONE address), as ztunnel's
 //! `WorkloadKey` (`../shared/spec/ztunnel.md` §3 "Connection pool"). Many CONNECT streams share one
 //! mTLS + HTTP/2 connection; after [`MAX_STREAMS_PER_CONNECTION`] streams a new connection is
-//! dialed. Concurrent requests for a new key wait for a single dial. Each connection sends a PING
-//! every 10 s and is dropped when no PONG arrives within 20 s. A connection no stream was requested
-//! on for [`POOL_UNUSED_RELEASE_TIMEOUT`] is released by [`Pool::sweep`] and its key pruned, so keys
-//! do not pile up with pod churn. [`Pool::send_request`] retries a CONNECT once on a fresh
+//! dialed. Concurrent requests for a new key wait for a single dial, bounded by [`CONNECT_TIMEOUT`].
+//! Each connection is kept alive with HTTP/2 PINGs ([`keepalive`]) and dropped when no PONG comes
+//! back. A connection no stream was requested on for [`POOL_UNUSED_RELEASE_TIMEOUT`] is released by
+//! [`Pool::sweep`] and its key pruned, so keys do not pile up with pod churn. [`Pool::send_request`] retries a CONNECT once on a fresh
 //! connection when the peer provably did not process it (REFUSED_STREAM, or a GOAWAY that excludes
 //! the stream: RFC 9113 §8.7), which covers a GOAWAY racing the pool's readiness check.
 
 mod connector;
-#[cfg(test)]
-mod tests;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -27,22 +25,18 @@ use http::{Request, Response};
 use tokio::sync::Mutex as AsyncMutex;
 use tokio::time::Instant;
 
-use crate::proxy::hbone::{MAX_STREAMS_PER_CONNECTION, client_builder};
+use crate::proxy::hbone::{CONNECT_TIMEOUT, MAX_STREAMS_PER_CONNECTION, client_builder, keepalive};
 use crate::proxy::identity::Identity;
 use crate::proxy::socket::SocketError;
 use crate::proxy::tls::TlsError;
 
 pub use connector::{Connector, PodConnector};
 
-/// TCP connect timeout towards a peer's 15008, as ztunnel.
-pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// A pooled connection no new stream was requested on for this long is released (ztunnel
 /// `POOL_UNUSED_RELEASE_TIMEOUT`, default 5 min). Streams still running on it are not cut.
 pub const POOL_UNUSED_RELEASE_TIMEOUT: Duration = Duration::from_secs(5 * 60);
 /// How often a pod's proxy calls [`Pool::sweep`].
 pub const POOL_SWEEP_INTERVAL: Duration = Duration::from_secs(30);
-const PING_INTERVAL: Duration = Duration::from_secs(10);
-const PING_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// Errors getting a pooled HBONE connection.
 #[derive(Debug, thiserror::Error)]
@@ -348,17 +342,5 @@ fn copy_head(req: &Request<()>) -> Request<()> {
     copy
 }
 
-/// HTTP/2 keepalive of one connection: a PING every 10 s; returns when a PONG does not arrive
-/// within 20 s (ztunnel `do_ping_pong`). Never returns when `ping` is `None` (already taken).
-pub(crate) async fn keepalive(ping: Option<h2::PingPong>) {
-    let Some(mut ping) = ping else {
-        return std::future::pending().await;
-    };
-    loop {
-        tokio::time::sleep(PING_INTERVAL).await;
-        match tokio::time::timeout(PING_TIMEOUT, ping.ping(h2::Ping::opaque())).await {
-            Ok(Ok(_)) => {}
-            Ok(Err(_)) | Err(_) => return,
-        }
-    }
-}
+#[cfg(test)]
+mod tests;

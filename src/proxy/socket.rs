@@ -103,14 +103,13 @@ impl PodSockets {
     pub fn new(netns: &Netns, mark: u32) -> Result<PodSockets, SocketError> {
         let (tx, rx) = stdmpsc::channel::<Request>();
         let (ready_tx, ready_rx) = stdmpsc::channel();
-        let id = netns.id();
         let netns = netns.clone();
         let stock = Arc::new(Stock::default());
         let thread_stock = stock.clone();
         std::thread::Builder::new()
             .name("pod-sockets".into())
             .spawn(move || {
-                let entered = nix::sched::setns(netns.fd(), nix::sched::CloneFlags::CLONE_NEWNET);
+                let entered = netns.enter();
                 let ok = entered.is_ok();
                 let _ = ready_tx.send(entered);
                 if !ok {
@@ -137,7 +136,7 @@ impl PodSockets {
             .map_err(io_err("spawn pod socket thread"))?;
         match ready_rx.recv() {
             Ok(Ok(())) => Ok(PodSockets { tx, stock }),
-            Ok(Err(source)) => Err(SocketError::Netns(NetnsError::Enter { id, source })),
+            Ok(Err(e)) => Err(SocketError::Netns(e)),
             Err(_) => Err(SocketError::Stopped),
         }
     }

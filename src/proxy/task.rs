@@ -20,9 +20,10 @@ use std::task::{Context, Poll, ready};
 use futures::FutureExt;
 use futures::future::OptionFuture;
 
-use crate::proxy::accesslog::{ByteCounts, ConnectionLog};
+use crate::proxy::accesslog::ConnectionLog;
 use crate::proxy::copy::Transferred;
-use crate::proxy::pods::ProxyContext;
+use crate::proxy::metrics::ByteCounts;
+use crate::proxy::pod::ProxyContext;
 
 /// A relay whose end is logged and counted (`finish` on the connection's [`ConnectionLog`]), once:
 /// polled again after it ended, it is `Ready` without polling the relay.
@@ -99,9 +100,10 @@ mod tests {
     use std::future::{Ready, ready};
 
     use super::*;
-    use crate::proxy::accesslog::tests::{addr, assert_byte_counters, capture_logs, counter};
-    use crate::proxy::accesslog::{Direction, Metrics};
+    use crate::proxy::accesslog::tests::{addr, capture_logs};
     use crate::proxy::identity::{Ca, CertManager};
+    use crate::proxy::metrics::tests::{assert_byte_counters, counter};
+    use crate::proxy::metrics::{Direction, Metrics};
     use crate::proxy::state::{ProxyState, StateHandle};
 
     fn ctx() -> Arc<ProxyContext> {

@@ -23,6 +23,7 @@ use rustls_pki_types::CertificateDer;
 use super::identity::{CertManager, Identity, IdentityError};
 
 mod handshake;
+mod kernel;
 pub mod record;
 pub mod stream;
 mod verify;

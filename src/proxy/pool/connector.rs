@@ -8,7 +8,8 @@ use rustls_pki_types::ServerName;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 
-use super::{CONNECT_TIMEOUT, PoolError, PoolKey};
+use super::{PoolError, PoolKey};
+use crate::proxy::hbone::CONNECT_TIMEOUT;
 use crate::proxy::identity::CertManager;
 use crate::proxy::socket::PodSockets;
 use crate::proxy::tls;

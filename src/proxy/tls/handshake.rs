@@ -7,15 +7,15 @@ use std::sync::Arc;
 
 use bytes::{Buf, BytesMut};
 use rustls::client::{ClientConnectionData, UnbufferedClientConnection};
-use rustls::kernel::KernelConnection;
 use rustls::server::{ServerConnectionData, UnbufferedServerConnection};
 use rustls::unbuffered::{
     ConnectionState, EncodeError, EncodeTlsData, UnbufferedConnectionCommon, UnbufferedStatus,
 };
-use rustls::{ClientConfig, ConnectionTrafficSecrets, ExtractedSecrets, ServerConfig};
+use rustls::{ClientConfig, ExtractedSecrets, ServerConfig};
 use rustls_pki_types::ServerName;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
+use super::kernel::Kernel;
 use super::record::{self, RecordError};
 use super::stream::{StreamError, TlsStream};
 
@@ -88,36 +88,6 @@ macro_rules! unbuffered {
 
 unbuffered!(UnbufferedClientConnection, ClientConnectionData, Client);
 unbuffered!(UnbufferedServerConnection, ServerConnectionData, Server);
-
-/// rustls' state after the handshake: derives the next secrets on KeyUpdate.
-pub(super) enum Kernel {
-    Client(KernelConnection<ClientConnectionData>),
-    Server(KernelConnection<ServerConnectionData>),
-}
-
-impl Kernel {
-    pub(super) fn update_rx(&mut self) -> Result<(u64, ConnectionTrafficSecrets), rustls::Error> {
-        match self {
-            Kernel::Client(k) => k.update_rx_secret(),
-            Kernel::Server(k) => k.update_rx_secret(),
-        }
-    }
-    pub(super) fn update_tx(&mut self) -> Result<(u64, ConnectionTrafficSecrets), rustls::Error> {
-        match self {
-            Kernel::Client(k) => k.update_tx_secret(),
-            Kernel::Server(k) => k.update_tx_secret(),
-        }
-    }
-    pub(super) fn confidentiality_limit(&self) -> u64 {
-        let suite = match self {
-            Kernel::Client(k) => k.negotiated_cipher_suite(),
-            Kernel::Server(k) => k.negotiated_cipher_suite(),
-        };
-        suite
-            .tls13()
-            .map_or(u64::MAX, |s| s.common.confidentiality_limit)
-    }
-}
 
 /// The next step of the handshake driver.
 enum Step {

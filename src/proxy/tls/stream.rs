@@ -26,7 +26,7 @@ use rustls::ExtractedSecrets;
 use rustls_pki_types::CertificateDer;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
-use super::handshake::Kernel;
+use super::kernel::Kernel;
 use super::record::{self, RecordError, RecordKey, content};
 
 /// Target size of the receive buffer: several records per `read`.

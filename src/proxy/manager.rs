@@ -1,4 +1,5 @@
-//! The per-pod proxy set and the manager that starts and stops it on agent requests (ZDS semantics).
+//! The manager that starts and stops the per-pod proxy sets on agent requests (ZDS semantics), the
+//! table of running pods, and each pod's accept loop.
 //!
 //! For each added pod: find its workload in the state by namespace/name (waiting up to 5 s, as
 //! ztunnel), open a socket thread in the pod netns, bind 15001 (outbound), 15006 (inbound
@@ -7,7 +8,6 @@
 //! the old set is stopped first. A Del stops the set and every connection it carries immediately.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -16,12 +16,11 @@ use tokio::net::TcpListener;
 use tokio::task::{AbortHandle, JoinSet};
 
 use crate::netns::{Netns, NetnsId};
-use crate::proxy::accesslog::Metrics;
 use crate::proxy::hbone::{HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT};
-use crate::proxy::identity::{CertManager, Identity};
+use crate::proxy::pod::{PodProxy, ProxyContext};
 use crate::proxy::pool::{POOL_SWEEP_INTERVAL, Pool};
 use crate::proxy::socket::{PodSockets, SocketError};
-use crate::proxy::state::{StateHandle, Workload};
+use crate::proxy::state::Workload;
 use crate::proxy::{inbound, outbound, tls};
 use crate::zds::{InProcessReceiver, Nack, WorkloadInfo, WorkloadRequest};
 
@@ -40,38 +39,6 @@ pub enum PodProxyError {
     /// TLS setup failed.
     #[error(transparent)]
     Tls(#[from] tls::TlsError),
-}
-
-/// What every pod proxy shares.
-#[derive(Debug)]
-pub struct ProxyContext {
-    /// Workload state.
-    pub state: StateHandle,
-    /// Certificates.
-    pub certs: Arc<CertManager>,
-    /// Connection counters.
-    pub metrics: Metrics,
-    /// SO_MARK of proxy sockets.
-    pub mark: u32,
-}
-
-/// The running proxy of one pod (shared by its connection tasks).
-#[derive(Debug)]
-pub struct PodProxy {
-    /// Shared context.
-    pub ctx: Arc<ProxyContext>,
-    /// The pod's workload at start.
-    pub workload: Arc<Workload>,
-    /// The pod's identity.
-    pub identity: Identity,
-    /// The pod's IPs.
-    pub ips: Vec<IpAddr>,
-    /// Socket factory in the pod netns.
-    pub sockets: PodSockets,
-    /// Outbound HBONE pool.
-    pub pool: Pool,
-    /// Server TLS config of the pod identity.
-    pub server_tls: Arc<rustls::ServerConfig>,
 }
 
 /// State of a pod in `/config_dump` (`workloadState`).
