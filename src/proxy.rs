@@ -38,9 +38,9 @@ use std::time::Duration;
 use crate::mesh::{self, PacketMark};
 use crate::ready::Readiness;
 use crate::zds::{self, InProcessSender};
+use identity::{Ca, CertManager, IdentityError};
 use manager::ProxyManager;
 use metrics::Metrics;
-use identity::{Ca, CertManager, IdentityError};
 use pod::ProxyContext;
 use state::StateHandle;
 
@@ -121,7 +121,7 @@ pub fn start(
         state,
         certs,
         metrics: Metrics::default(),
-        mark: cfg.packet_mark.get(),
+        mark: cfg.packet_mark,
     });
     let manager = ProxyManager::new(ctx);
     let (link, rx) = zds::in_process();

@@ -184,7 +184,7 @@ mod tests {
             state: state.clone(),
             certs: CertManager::new(ca, std::time::Duration::from_secs(3600)),
             metrics: Metrics::default(),
-            mark: 0x539,
+            mark: crate::mesh::PacketMark::DEFAULT,
         });
         let (zds, _rx) = crate::zds::in_process();
         let policy: Arc<dyn crate::agent::enroll::EnrollmentPolicy> =

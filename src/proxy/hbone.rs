@@ -1,16 +1,8 @@
-//! HBONE protocol pieces shared by the client and the server: ports, HTTP/2 settings, the CONNECT
-//! `:authority` form and the request headers (`../shared/spec/ztunnel.md` §2–3).
+//! HBONE protocol pieces shared by the client and the server: HTTP/2 settings, timeouts and
+//! keepalive, the CONNECT `:authority` form and the request headers (`../shared/spec/ztunnel.md`
+//! §2–3). The ports are the node's facts ([`crate::mesh`]).
 
 use std::net::{IpAddr, SocketAddr};
-
-/// Inbound HBONE port (mTLS + HTTP/2 CONNECT).
-pub const HBONE_PORT: u16 = 15008;
-/// Outbound capture port.
-pub const OUTBOUND_PORT: u16 = 15001;
-/// Inbound plaintext capture port.
-pub const INBOUND_PLAINTEXT_PORT: u16 = 15006;
-/// Ports that are never valid targets (ztunnel `illegal_ports`).
-pub const ILLEGAL_PORTS: [u16; 3] = [OUTBOUND_PORT, INBOUND_PLAINTEXT_PORT, HBONE_PORT];
 
 /// HTTP/2 initial stream window, bytes (`HTTP2_STREAM_WINDOW_SIZE`).
 pub const STREAM_WINDOW: u32 = 4 * 1024 * 1024;

@@ -19,10 +19,11 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 use tokio::task::JoinSet;
 
+use crate::mesh::NEVER_TARGET_PORTS;
 use crate::proxy::accesslog::ConnectionLog;
 use crate::proxy::authz;
 use crate::proxy::copy;
-use crate::proxy::hbone::{self, CONNECT_TIMEOUT, HANDSHAKE_TIMEOUT, ILLEGAL_PORTS};
+use crate::proxy::hbone::{self, CONNECT_TIMEOUT, HANDSHAKE_TIMEOUT};
 use crate::proxy::identity::Identity;
 use crate::proxy::metrics::Direction;
 use crate::proxy::pod::PodProxy;
@@ -270,7 +271,7 @@ pub fn check_request<B>(req: &Request<B>, local: SocketAddr) -> Result<SocketAdd
     if target.ip() != local.ip() {
         return Err(InboundError::IpMismatch(target.ip(), local.ip()));
     }
-    if ILLEGAL_PORTS.contains(&target.port()) {
+    if NEVER_TARGET_PORTS.contains(&target.port()) {
         return Err(InboundError::IllegalPort(target.port()));
     }
     Ok(target)
@@ -305,7 +306,7 @@ async fn plaintext_setup(
     };
     let mut log = ConnectionLog::open(&pod.ctx.metrics, Direction::Inbound, peer, dst);
     log.dst_identity = Some(pod.identity.clone());
-    if ILLEGAL_PORTS.contains(&dst.port()) {
+    if NEVER_TARGET_PORTS.contains(&dst.port()) {
         log.failed(&pod.ctx.metrics, &InboundError::IllegalPort(dst.port()));
         return None;
     }

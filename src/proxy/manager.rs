@@ -15,8 +15,8 @@ use serde::Serialize;
 use tokio::net::TcpListener;
 use tokio::task::{AbortHandle, JoinSet};
 
+use crate::mesh::{HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT};
 use crate::netns::{Netns, NetnsId};
-use crate::proxy::hbone::{HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT};
 use crate::proxy::pod::{PodProxy, ProxyContext};
 use crate::proxy::pool::{POOL_SWEEP_INTERVAL, Pool};
 use crate::proxy::socket::{PodSockets, SocketError};
@@ -44,8 +44,9 @@ pub enum PodProxyError {
 /// State of a pod in `/config_dump` (`workloadState`).
 #[derive(Debug, Clone, Serialize)]
 pub struct PodStatus {
-    /// Workload info from the agent.
-    pub info: WorkloadInfoDump,
+    /// Workload info from the agent, with ztunnel's keys (`name`, `namespace`, `serviceAccount`).
+    #[serde(serialize_with = "ztunnel_workload_info")]
+    pub info: WorkloadInfo,
     /// `Up`.
     pub state: &'static str,
     /// SPIFFE identity served.
@@ -54,16 +55,17 @@ pub struct PodStatus {
     pub netns: String,
 }
 
-/// Serializable [`WorkloadInfo`].
-#[derive(Debug, Clone, Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct WorkloadInfoDump {
-    /// Name.
-    pub name: String,
-    /// Namespace.
-    pub namespace: String,
-    /// Service account.
-    pub service_account: String,
+/// [`WorkloadInfo`] as ztunnel's `/config_dump` writes it (camelCase keys).
+fn ztunnel_workload_info<S: serde::Serializer>(
+    info: &WorkloadInfo,
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    use serde::ser::SerializeStruct;
+    let mut st = s.serialize_struct("WorkloadInfo", 3)?;
+    st.serialize_field("name", &info.name)?;
+    st.serialize_field("namespace", &info.namespace)?;
+    st.serialize_field("serviceAccount", &info.service_account)?;
+    st.end()
 }
 
 struct Running {
@@ -215,11 +217,7 @@ impl ProxyManager {
         .abort_handle();
         tracing::info!(%uid, %identity, netns = %netns.id(), "pod proxy listening on 15001, 15006, 15008");
         let status = PodStatus {
-            info: WorkloadInfoDump {
-                name: info.name,
-                namespace: info.namespace,
-                service_account: info.service_account,
-            },
+            info,
             state: "Up",
             identity: identity.to_string(),
             netns: netns.id().to_string(),
@@ -332,6 +330,25 @@ async fn accept_backoff(e: std::io::Error) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn config_dump_names_the_workload_info_as_ztunnel_does() {
+        let status = PodStatus {
+            info: WorkloadInfo {
+                name: "client".into(),
+                namespace: "default".into(),
+                service_account: "alice".into(),
+            },
+            state: "Up",
+            identity: "spiffe://cluster.local/ns/default/sa/alice".into(),
+            netns: "4026532000:4".into(),
+        };
+        let v = serde_json::to_value(&status).expect("json");
+        assert_eq!(
+            v["info"],
+            serde_json::json!({"name": "client", "namespace": "default", "serviceAccount": "alice"})
+        );
+    }
 
     #[tokio::test]
     async fn accepted_sockets_inherit_nodelay_and_tcp_keepalive() {

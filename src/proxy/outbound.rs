@@ -14,9 +14,10 @@ use std::sync::Arc;
 use futures::future::Either;
 use tokio::net::TcpStream;
 
+use crate::mesh::NEVER_TARGET_PORTS;
 use crate::proxy::accesslog::ConnectionLog;
 use crate::proxy::copy::{self, Transferred};
-use crate::proxy::hbone::{self, CONNECT_TIMEOUT, ILLEGAL_PORTS};
+use crate::proxy::hbone::{self, CONNECT_TIMEOUT};
 use crate::proxy::metrics::Direction;
 use crate::proxy::pod::PodProxy;
 use crate::proxy::pool::{PoolError, PoolKey};
@@ -80,7 +81,7 @@ async fn setup(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) -> Option
     let client = crate::proxy::socket::canonical(client);
     let mut log = ConnectionLog::open(&pod.ctx.metrics, Direction::Outbound, client, dst);
     log.src_identity = Some(pod.identity.clone());
-    if ILLEGAL_PORTS.contains(&dst.port())
+    if NEVER_TARGET_PORTS.contains(&dst.port())
         && (dst.ip().is_loopback() || pod.ips.contains(&dst.ip()))
     {
         log.failed(&pod.ctx.metrics, &OutboundError::SelfCall(dst));

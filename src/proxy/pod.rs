@@ -7,6 +7,7 @@
 use std::net::IpAddr;
 use std::sync::Arc;
 
+use crate::mesh::PacketMark;
 use crate::proxy::identity::{CertManager, Identity};
 use crate::proxy::metrics::Metrics;
 use crate::proxy::pool::Pool;
@@ -22,8 +23,8 @@ pub struct ProxyContext {
     pub certs: Arc<CertManager>,
     /// Connection counters.
     pub metrics: Metrics,
-    /// SO_MARK of proxy sockets (0 = no mark).
-    pub mark: u32,
+    /// SO_MARK of every socket opened in a pod.
+    pub mark: PacketMark,
 }
 
 /// The running proxy of one pod (shared by its connection tasks).

@@ -20,10 +20,10 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use crate::mesh::HBONE_PORT;
 use crate::proxy::config::{
     GatewayAddress, GatewayDestination, HealthStatus, LoadBalancerHealthPolicy, LoadBalancerMode,
 };
-use crate::proxy::hbone::HBONE_PORT;
 use crate::proxy::identity::Identity;
 use crate::proxy::state::{Protocol, ProxyState, Service, Workload};
 

@@ -18,10 +18,8 @@ use socket2::{Domain, Protocol, SockAddr, SockRef, Socket, Type};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::oneshot;
 
+use crate::mesh::PacketMark;
 use crate::netns::{Netns, NetnsError};
-
-/// Default packet mark of proxy sockets (`PACKET_MARK`, Istio `InpodMark`).
-pub const DEFAULT_PACKET_MARK: u32 = 0x539;
 
 /// Listen backlog for pod listeners (ztunnel uses 128).
 const LISTEN_BACKLOG: i32 = 1024;
@@ -84,23 +82,21 @@ pub struct PodSockets {
     stock: Arc<Stock>,
 }
 
-/// A non-blocking TCP socket of `domain` in the calling thread's netns, with SO_MARK `mark` (0 = none).
-fn new_socket(domain: Domain, mark: u32) -> Result<Socket, SocketError> {
+/// A non-blocking TCP socket of `domain` in the calling thread's netns, with SO_MARK `mark`.
+fn new_socket(domain: Domain, mark: PacketMark) -> Result<Socket, SocketError> {
     let sock = Socket::new(
         domain,
         Type::STREAM.nonblocking().cloexec(),
         Some(Protocol::TCP),
     )
     .map_err(io_err("socket"))?;
-    if mark != 0 {
-        sock.set_mark(mark).map_err(io_err("set SO_MARK"))?;
-    }
+    sock.set_mark(mark.get()).map_err(io_err("set SO_MARK"))?;
     Ok(sock)
 }
 
 impl PodSockets {
-    /// Starts the socket thread for `netns`. `mark` is applied to every socket (0 = no mark).
-    pub fn new(netns: &Netns, mark: u32) -> Result<PodSockets, SocketError> {
+    /// Starts the socket thread for `netns`. `mark` is applied to every socket.
+    pub fn new(netns: &Netns, mark: PacketMark) -> Result<PodSockets, SocketError> {
         let (tx, rx) = stdmpsc::channel::<Request>();
         let (ready_tx, ready_rx) = stdmpsc::channel();
         let netns = netns.clone();
@@ -283,7 +279,7 @@ mod tests {
     #[tokio::test]
     async fn sockets_in_own_netns_carry_the_mark() {
         let ns = Netns::current().expect("own netns");
-        let socks = PodSockets::new(&ns, DEFAULT_PACKET_MARK).expect("socket thread");
+        let socks = PodSockets::new(&ns, PacketMark::DEFAULT).expect("socket thread");
         let listener = socks.listen(0).await.expect("listen");
         let port = listener.local_addr().expect("addr").port();
         let client = socks
@@ -295,7 +291,7 @@ mod tests {
             .await
             .expect("connect");
         let mark = SockRef::from(&client).mark().expect("get SO_MARK");
-        assert_eq!(mark, DEFAULT_PACKET_MARK);
+        assert_eq!(mark, PacketMark::DEFAULT.get());
         let (_accepted, peer) = listener.accept().await.expect("accept");
         assert_eq!(canonical(peer).ip(), IpAddr::V4(Ipv4Addr::LOCALHOST));
     }
@@ -303,7 +299,7 @@ mod tests {
     #[tokio::test]
     async fn ipv4_stock_fills_after_the_first_connect_and_carries_the_mark() {
         let ns = Netns::current().expect("own netns");
-        let socks = PodSockets::new(&ns, DEFAULT_PACKET_MARK).expect("socket thread");
+        let socks = PodSockets::new(&ns, PacketMark::DEFAULT).expect("socket thread");
         assert!(
             socks.stock.sockets().is_empty(),
             "no stock before any connect"
@@ -320,7 +316,10 @@ mod tests {
         let mut held = Vec::new();
         for _ in 0..=STOCK_TARGET - STOCK_LOW {
             let c = socks.connect(dst, None, timeout).await.expect("connect");
-            assert_eq!(SockRef::from(&c).mark().expect("mark"), DEFAULT_PACKET_MARK);
+            assert_eq!(
+                SockRef::from(&c).mark().expect("mark"),
+                PacketMark::DEFAULT.get()
+            );
             held.push(c);
         }
         // taken from the stock: below the low mark, one batch refills it

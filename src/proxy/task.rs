@@ -112,7 +112,7 @@ mod tests {
             state: StateHandle::new(ProxyState::default()),
             certs: CertManager::new(ca, std::time::Duration::from_secs(3600)),
             metrics: Metrics::default(),
-            mark: 0x539,
+            mark: crate::mesh::PacketMark::DEFAULT,
         })
     }
 

@@ -210,7 +210,7 @@ pub struct Endpoint {
 }
 
 fn default_hbone_port() -> u16 {
-    15008
+    crate::mesh::HBONE_PORT
 }
 
 // === impl NetworkAddress ===
