@@ -2,17 +2,15 @@
 //!
 //! One binary, several roles chosen by `argv[0]` or subcommand (see `main.rs`):
 //! the CNI plugin ([`plugin`]), the node agent ([`agent`]) and the proxy ([`proxy`]).
-//! Shared bottom modules ([`netns`], [`podevent`], [`zds`], [`nft`]) never import a role.
+//! The lab ([`lab`]) is the throwaway node on one machine for `ztnode demo`, `ztnode bench` and the
+//! end-to-end tests. Shared bottom modules ([`netns`], [`podevent`], [`zds`], [`nft`]) never import
+//! a role.
 
 pub mod agent;
-pub mod bench;
-pub mod cnichain;
-pub mod demo;
 pub mod lab;
 pub mod netns;
 pub mod nft;
 pub mod node;
-pub mod pcap;
 pub mod plugin;
 pub mod podevent;
 pub mod proxy;

@@ -1,6 +1,6 @@
 //! `ztnode bench`: what the mesh costs, measured in one run against the direct path.
 //!
-//! One lab node (see [`crate::lab`]) holds two pairs of pods on the same bridge: `d-client`/`d-server`
+//! One lab node (see [`crate::lab::Lab`]) holds two pairs of pods on the same bridge: `d-client`/`d-server`
 //! (not enrolled: the direct path) and `m-client`/`m-server` (enrolled: traffic through ztnode HBONE),
 //! with a release `ztnode node` running in the node netns. Measured:
 //! throughput of 1 and 8 TCP streams (iperf3), 1 KiB request/response round trips on one connection
@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use serde_json::json;
 
-use crate::lab::{self, Lab, LabOptions, Pod, ProcessGuard};
+use super::node::{Lab, LabOptions, Pod, ProcessGuard, local_config};
 use crate::netns::Netns;
 
 mod placement;
@@ -172,7 +172,7 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
         .map(|(n, ip)| (n.as_str(), "bench", n.as_str(), *ip))
         .collect();
     let config = lab.dir().join("local-config.yaml");
-    std::fs::write(&config, lab::local_config(prefix, &entries))?;
+    std::fs::write(&config, local_config(prefix, &entries))?;
     let level = std::env::var("ZTNODE_BENCH_LOG").unwrap_or_else(|_| "warn".into());
     let (node, log) = lab.start_node(&exe, &config, &run_dir, &level, &["--no-install".into()])?;
     let pid = node.0.id();

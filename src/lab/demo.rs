@@ -15,7 +15,7 @@ use std::process::Command;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use crate::lab::{self, Lab, LabOptions, ProcessGuard};
+use super::node::{Lab, LabOptions, ProcessGuard, local_config};
 use crate::netns::Netns;
 
 const PREFIX: &str = "ztdemo";
@@ -132,7 +132,7 @@ fn run_inner(verbose: bool) -> anyhow::Result<()> {
     let config_path = lab.dir().join("local-config.yaml");
     std::fs::write(
         &config_path,
-        lab::local_config(
+        local_config(
             PREFIX,
             &[
                 ("client", "default", "client", client_ip),
@@ -255,7 +255,7 @@ fn run_inner(verbose: bool) -> anyhow::Result<()> {
         ok(line);
     }
     let data = std::fs::read(&pcap).context("read the capture")?;
-    let segs = crate::pcap::tcp_segments(&data)?;
+    let segs = super::pcap::tcp_segments(&data)?;
     let between: Vec<_> = segs
         .iter()
         .filter(|s| {
@@ -274,7 +274,7 @@ fn run_inner(verbose: bool) -> anyhow::Result<()> {
         .all(|s| s.src_port == 15008 || s.dst_port == 15008);
     let clear = between
         .iter()
-        .any(|s| crate::pcap::contains(&s.payload, MESSAGE));
+        .any(|s| super::pcap::contains(&s.payload, MESSAGE));
     let tls_records = between
         .iter()
         .filter(|s| s.payload.starts_with(&[0x17, 0x03, 0x03]))
