@@ -60,8 +60,8 @@ pub struct MeshLab<const N: usize> {
 }
 
 impl<const N: usize> MeshLab<N> {
-    /// Creates the lab, writes the local config into its dir, starts `ztnode node` in the node netns
-    /// (waiting for its plugin socket) and adds the pods.
+    /// Creates the lab, writes the local config into its dir, starts `ztnode node` in the node
+    /// netns (waiting for its plugin socket) and adds the pods.
     pub fn start(spec: MeshSpec<'_, N>) -> Result<MeshLab<N>, LabError> {
         MeshLab::start_observed(spec, |_| Ok::<(), LabError>(()))
     }
