@@ -3,19 +3,15 @@
 //! One binary, several roles chosen by `argv[0]` or subcommand (see `main.rs`):
 //! the CNI plugin ([`plugin`]), the node agent ([`agent`]) and the proxy ([`proxy`]); [`node`]
 //! composes agent and proxy. Shared bottom modules ([`mesh`], [`netns`], [`nft`], [`podevent`],
-//! [`ready`], [`runtime`], [`zds`]) never import a role. [`lab`] and its neighbours build
-//! throwaway nodes for the demo, the bench and the tests.
+//! [`ready`], [`runtime`], [`zds`]) never import a role. The lab ([`lab`]) is the throwaway node
+//! on one machine for `ztnode demo`, `ztnode bench` and the end-to-end tests.
 
 pub mod agent;
-pub mod bench;
-pub mod cnichain;
-pub mod demo;
 pub mod lab;
 pub mod mesh;
 pub mod netns;
 pub mod nft;
 pub mod node;
-pub mod pcap;
 pub mod plugin;
 pub mod podevent;
 pub mod proxy;

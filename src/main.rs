@@ -191,9 +191,9 @@ enum Cmd {
         hold: u64,
         /// Run only these sections (comma-separated); all when omitted.
         #[arg(long, value_delimiter = ',', value_enum)]
-        only: Vec<ztnode::bench::Section>,
+        only: Vec<ztnode::lab::bench::Section>,
         /// Name prefix of the lab's namespaces (to run benches side by side).
-        #[arg(long, default_value = ztnode::bench::DEFAULT_LAB_PREFIX)]
+        #[arg(long, default_value = ztnode::lab::bench::DEFAULT_LAB_PREFIX)]
         lab_prefix: String,
     },
     /// The CNI plugin (same as running as `ztnode-cni`).
@@ -256,7 +256,7 @@ fn run(cmd: Cmd) -> anyhow::Result<i32> {
             ztnode::agent::install::uninstall(&install_config(&dirs)?)?;
             Ok(0)
         }
-        Cmd::Demo { verbose } => Ok(ztnode::demo::run(verbose)),
+        Cmd::Demo { verbose } => Ok(ztnode::lab::demo::run(verbose)),
         Cmd::Bench {
             duration,
             round_trips,
@@ -266,7 +266,7 @@ fn run(cmd: Cmd) -> anyhow::Result<i32> {
             hold,
             only,
             lab_prefix,
-        } => Ok(ztnode::bench::run(ztnode::bench::BenchOptions {
+        } => Ok(ztnode::lab::bench::run(ztnode::lab::bench::BenchOptions {
             only,
             lab_prefix,
             hold: Duration::from_secs(hold),

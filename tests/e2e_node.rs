@@ -78,7 +78,7 @@ fn pods_talk_over_hbone_with_identities_and_real_source_ip() {
     std::thread::sleep(Duration::from_millis(500));
     drop(dump);
     let data = std::fs::read(&pcap).expect("pcap");
-    let segs = ztnode::pcap::tcp_segments(&data).expect("parse pcap");
+    let segs = ztnode::lab::pcap::tcp_segments(&data).expect("parse pcap");
     let between: Vec<_> = segs
         .iter()
         .filter(|s| {
@@ -95,7 +95,7 @@ fn pods_talk_over_hbone_with_identities_and_real_source_ip() {
     assert!(
         !between
             .iter()
-            .any(|s| ztnode::pcap::contains(&s.payload, secret)),
+            .any(|s| ztnode::lab::pcap::contains(&s.payload, secret)),
         "payload crossed in clear"
     );
     assert!(

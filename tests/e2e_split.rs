@@ -13,7 +13,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::node::echo_once;
-use ztnode::cnichain::Attachment;
+use ztnode::lab::cnichain::Attachment;
 use ztnode::lab::{self, Lab, LabOptions, ProcessGuard};
 use ztnode::netns::Netns;
 

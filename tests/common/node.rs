@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use ztnode::lab::{self, Lab, LabOptions, Pod};
+use ztnode::lab::{Lab, LabOptions, MeshLab, MeshSpec, Pod};
 
 pub use ztnode::lab::ProcessGuard as NodeProcess;
 
@@ -33,40 +33,37 @@ impl MeshNode {
     pub fn start_with(prefix: &str, extra: &str) -> MeshNode {
         let run_dir = std::env::temp_dir().join(format!("ztnode-e2e-run-{prefix}"));
         let _ = std::fs::remove_dir_all(&run_dir);
-        let lab = Lab::new(LabOptions {
-            prefix: prefix.into(),
-            ztnode_binary: Some(env!("CARGO_BIN_EXE_ztnode").into()),
-            run_dir: run_dir.clone(),
-            subnet: SUBNET.into(),
-            cni_version: "1.0.0".into(),
-        })
-        .expect("lab");
         let client_ip = "10.249.0.2".parse().expect("ip");
         let server_ip = "10.249.0.3".parse().expect("ip");
-        let config = lab.dir().join("local-config.yaml");
-        std::fs::write(
-            &config,
-            lab::local_config(
-                prefix,
-                &[
-                    ("client", "default", "alice", client_ip),
-                    ("server", "default", "bob", server_ip),
-                ],
-            ) + extra,
-        )
-        .expect("write config");
-        let (process, log) = lab
-            .start_node(
-                env!("CARGO_BIN_EXE_ztnode").as_ref(),
-                &config,
-                &run_dir,
-                "info",
-                &["--no-install".into()],
-            )
-            .expect("start ztnode node");
-        let client = lab.add_pod("client", "default").expect("add client");
-        let server = lab.add_pod("server", "default").expect("add server");
-        let outsider = lab.add_pod("outsider", "default").expect("add outsider");
+        let MeshLab {
+            node: process,
+            lab,
+            log,
+            pods: [client, server, outsider],
+            ..
+        } = MeshLab::start(MeshSpec {
+            lab: LabOptions {
+                prefix: prefix.into(),
+                ztnode_binary: Some(env!("CARGO_BIN_EXE_ztnode").into()),
+                run_dir: run_dir.clone(),
+                subnet: SUBNET.into(),
+                cni_version: "1.0.0".into(),
+            },
+            exe: env!("CARGO_BIN_EXE_ztnode").as_ref(),
+            workloads: &[
+                ("client", "default", "alice", client_ip),
+                ("server", "default", "bob", server_ip),
+            ],
+            extra_config: extra,
+            log_level: "info",
+            node_args: &["--no-install".into()],
+            pods: [
+                ("client", "default"),
+                ("server", "default"),
+                ("outsider", "default"),
+            ],
+        })
+        .expect("start ztnode node with its pods");
         assert_eq!(
             (client.ip, server.ip),
             (client_ip, server_ip),

@@ -10,12 +10,14 @@
 
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use crate::lab::{self, Lab, LabOptions, ProcessGuard};
+use super::mesh::{MeshLab, MeshSpec, MeshStage};
+use super::node::{Lab, LabOptions, Pod, ProcessGuard};
+use crate::mesh::HBONE_PORT;
 use crate::netns::Netns;
 
 const PREFIX: &str = "ztdemo";
@@ -24,6 +26,10 @@ const CLIENT_IP: &str = "10.248.0.2";
 const SERVER_IP: &str = "10.248.0.3";
 const APP_PORT: u16 = 8080;
 const MESSAGE: &[u8] = b"hello from the client pod, carried by HBONE";
+/// The node's `--cni-bin-dir`, an empty dir in the lab dir.
+const HOST_BIN: &str = "host-bin";
+/// The node's `--cni-conf-dir`, an empty dir in the lab dir.
+const HOST_CONF: &str = "host-net.d";
 
 /// Processes to kill on Ctrl-C (the lab's Drop does not run when the process is interrupted).
 static CHILDREN: Mutex<Vec<u32>> = Mutex::new(Vec::new());
@@ -52,11 +58,10 @@ pub fn run(verbose: bool) -> i32 {
 }
 
 /// Registers a process for the Ctrl-C cleanup.
-fn track(guard: ProcessGuard) -> ProcessGuard {
+fn track(pid: u32) {
     if let Ok(mut c) = CHILDREN.lock() {
-        c.push(guard.0.id());
+        c.push(pid);
     }
-    guard
 }
 
 fn install_interrupt_cleanup() {
@@ -91,9 +96,10 @@ fn cleanup_leftovers() {
             .args(["netns", "del", &format!("{PREFIX}-{name}")])
             .output();
     }
-    let _ = std::fs::remove_dir_all(std::env::temp_dir().join(format!("ztnode-lab-{PREFIX}")));
+    let _ = std::fs::remove_dir_all(lab_dir());
 }
 
+/// The demo's steps in order; the lab and every process are removed when `mesh` drops.
 fn run_inner(verbose: bool) -> anyhow::Result<()> {
     use anyhow::Context;
     if !nix::unistd::geteuid().is_root() {
@@ -101,68 +107,58 @@ fn run_inner(verbose: bool) -> anyhow::Result<()> {
     }
     cleanup_leftovers();
     let exe = std::env::current_exe().context("locate the ztnode binary")?;
-    // Inside the lab dir, which the lab removes when it is dropped.
-    let run_dir = std::env::temp_dir()
-        .join(format!("ztnode-lab-{PREFIX}"))
-        .join("run");
+    let mesh = start_mesh(&exe)?;
+    let [client, server] = &mesh.pods;
+    show_redirection(client, verbose)?;
+    let pcap = mesh.lab.dir().join("bridge.pcap");
+    let (dump, echo) = capture_and_echo(&mesh.lab, server, &pcap)?;
+    connect(client, server, echo)?;
+    evidence(&mesh.log, &pcap, dump, client.ip, server.ip)?;
+    println!("\nCleaning up (CNI DEL, namespaces, processes)");
+    Ok(())
+}
 
+/// The lab's directory (its name is fixed by [`PREFIX`]).
+fn lab_dir() -> PathBuf {
+    std::env::temp_dir().join(format!("ztnode-lab-{PREFIX}"))
+}
+
+/// Steps 1 to 3: the lab node with the CNI chain, `ztnode node` inside it, and the pods `client`
+/// and `server` enrolled through the chain.
+fn start_mesh(exe: &Path) -> anyhow::Result<MeshLab<2>> {
+    let client_ip: IpAddr = CLIENT_IP.parse()?;
+    let server_ip: IpAddr = SERVER_IP.parse()?;
+    let node_args = [
+        "--cni-bin-dir".into(),
+        lab_dir().join(HOST_BIN).into_os_string(),
+        "--cni-conf-dir".into(),
+        lab_dir().join(HOST_CONF).into_os_string(),
+    ];
+    let spec = MeshSpec {
+        lab: LabOptions {
+            prefix: PREFIX.into(),
+            ztnode_binary: Some(exe.to_owned()),
+            // Inside the lab dir, which the lab removes when it is dropped.
+            run_dir: lab_dir().join("run"),
+            subnet: SUBNET.into(),
+            cni_version: "1.0.0".into(),
+        },
+        exe,
+        workloads: &[
+            ("client", "default", "client", client_ip),
+            ("server", "default", "server", server_ip),
+        ],
+        extra_config: "",
+        log_level: "info",
+        node_args: &node_args,
+        pods: [("client", "default"), ("server", "default")],
+    };
     step(
         1,
         "Building a throwaway node: node netns + CNI chain (bridge, host-local, ztnode-cni)",
     );
-    let lab = Lab::new(LabOptions {
-        prefix: PREFIX.into(),
-        ztnode_binary: Some(exe.clone()),
-        run_dir: run_dir.clone(),
-        subnet: SUBNET.into(),
-        cni_version: "1.0.0".into(),
-    })?;
-    ok(format!(
-        "node netns {} with CNI bin dir {}",
-        lab.node_name(),
-        lab.dir().join("bin").display()
-    ));
-
-    step(
-        2,
-        "Starting `ztnode node` (agent + proxy) inside the node netns",
-    );
-    let client_ip: IpAddr = CLIENT_IP.parse()?;
-    let server_ip: IpAddr = SERVER_IP.parse()?;
-    let config_path = lab.dir().join("local-config.yaml");
-    std::fs::write(
-        &config_path,
-        lab::local_config(
-            PREFIX,
-            &[
-                ("client", "default", "client", client_ip),
-                ("server", "default", "server", server_ip),
-            ],
-        ),
-    )?;
-    let (host_bin, host_conf) = (lab.dir().join("host-bin"), lab.dir().join("host-net.d"));
-    std::fs::create_dir_all(&host_bin)?;
-    std::fs::create_dir_all(&host_conf)?;
-    let extra = [
-        "--cni-bin-dir".into(),
-        host_bin.into_os_string(),
-        "--cni-conf-dir".into(),
-        host_conf.into_os_string(),
-    ];
-    let (node, log_path) = lab.start_node(&exe, &config_path, &run_dir, "info", &extra)?;
-    let _node = track(node);
-    ok(format!(
-        "plugin socket {}",
-        run_dir.join("pluginevent.sock").display()
-    ));
-    ok(format!("node log {}", log_path.display()));
-
-    step(
-        3,
-        "Adding pods through the CNI chain (the plugin tells the agent, the agent enrolls them)",
-    );
-    let client = lab.add_pod("client", "default")?;
-    let server = lab.add_pod("server", "default")?;
+    let mesh = MeshLab::start_observed(spec, show_stage)?;
+    let [client, server] = &mesh.pods;
     anyhow::ensure!(
         client.ip == client_ip && server.ip == server_ip,
         "unexpected pod IPs {} {}",
@@ -177,7 +173,44 @@ fn run_inner(verbose: bool) -> anyhow::Result<()> {
         "pod default/server {} (service account server)",
         server.ip
     ));
+    Ok(mesh)
+}
 
+/// Prints the end of steps 1 and 2 and the start of the next one as [`start_mesh`] gets there;
+/// makes the node's (empty) host CNI dirs once the lab dir exists.
+fn show_stage(stage: MeshStage<'_>) -> anyhow::Result<()> {
+    match stage {
+        MeshStage::LabBuilt(lab) => {
+            ok(format!(
+                "node netns {} with CNI bin dir {}",
+                lab.node_name(),
+                lab.dir().join("bin").display()
+            ));
+            step(
+                2,
+                "Starting `ztnode node` (agent + proxy) inside the node netns",
+            );
+            std::fs::create_dir_all(lab.dir().join(HOST_BIN))?;
+            std::fs::create_dir_all(lab.dir().join(HOST_CONF))?;
+        }
+        MeshStage::NodeStarted { pid, log, .. } => {
+            track(pid);
+            ok(format!(
+                "plugin socket {}",
+                lab_dir().join("run").join("pluginevent.sock").display()
+            ));
+            ok(format!("node log {}", log.display()));
+            step(
+                3,
+                "Adding pods through the CNI chain (the plugin tells the agent, the agent enrolls them)",
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Step 4: the outbound redirect is in the client pod's ruleset (shown when nft is there).
+fn show_redirection(client: &Pod, verbose: bool) -> anyhow::Result<()> {
     step(4, "Checking the redirection rules inside the client pod");
     let rules = Command::new("ip")
         .args([
@@ -206,15 +239,23 @@ fn run_inner(verbose: bool) -> anyhow::Result<()> {
         }
         Err(e) => println!("      (nft not available to show the rules: {e})"),
     }
+    Ok(())
+}
 
+/// The echo server's thread: the peer address it saw.
+type Echo = std::thread::JoinHandle<std::io::Result<SocketAddr>>;
+
+/// Step 5: a capture on the bridge into `pcap`, and an echo server for one [`MESSAGE`] in the
+/// server pod.
+fn capture_and_echo(lab: &Lab, server: &Pod, pcap: &Path) -> anyhow::Result<(ProcessGuard, Echo)> {
     step(
         5,
         "Starting a capture on the bridge and an echo server in the server pod",
     );
-    let pcap = lab.dir().join("bridge.pcap");
-    let dump = track(lab.capture(&pcap)?);
+    let dump = lab.capture(pcap)?;
+    track(dump.0.id());
     let server_ns = Netns::open(&server.netns_path)?;
-    let listener = Lab::listen_in(&server_ns, SocketAddr::new(server_ip, APP_PORT))?;
+    let listener = Lab::listen_in(&server_ns, SocketAddr::new(server.ip, APP_PORT))?;
     let echo = std::thread::spawn(move || -> std::io::Result<SocketAddr> {
         let (mut s, peer) = listener.accept()?;
         let mut buf = vec![0u8; MESSAGE.len()];
@@ -222,11 +263,17 @@ fn run_inner(verbose: bool) -> anyhow::Result<()> {
         s.write_all(&buf)?;
         Ok(peer)
     });
-    ok(format!("echo server on {server_ip}:{APP_PORT}"));
+    ok(format!("echo server on {}:{APP_PORT}", server.ip));
+    Ok((dump, echo))
+}
 
+/// Step 6: sends [`MESSAGE`] from the client pod, reads it back, and checks that the server app
+/// saw the client's own IP.
+fn connect(client: &Pod, server: &Pod, echo: Echo) -> anyhow::Result<()> {
+    use anyhow::Context;
     step(6, "Connecting from the client pod to the server pod");
     let client_ns = Netns::open(&client.netns_path)?;
-    let mut conn = Lab::connect_from(&client_ns, SocketAddr::new(server_ip, APP_PORT))?;
+    let mut conn = Lab::connect_from(&client_ns, SocketAddr::new(server.ip, APP_PORT))?;
     conn.set_read_timeout(Some(Duration::from_secs(10)))?;
     conn.write_all(MESSAGE)?;
     let mut back = vec![0u8; MESSAGE.len()];
@@ -238,7 +285,7 @@ fn run_inner(verbose: bool) -> anyhow::Result<()> {
         .map_err(|_| anyhow::anyhow!("echo thread panicked"))??;
     ok(format!("sent {} bytes, got them back", MESSAGE.len()));
     anyhow::ensure!(
-        seen.ip() == client_ip,
+        seen.ip() == client.ip,
         "the server saw {} instead of the client's IP",
         seen.ip()
     );
@@ -246,16 +293,35 @@ fn run_inner(verbose: bool) -> anyhow::Result<()> {
         "the server app saw the connection from {} (the client's real IP)",
         seen.ip()
     ));
+    Ok(())
+}
 
+/// Step 7: stops the capture, then shows both SPIFFE IDs in the access log and checks the capture
+/// ([`bridge_capture`]).
+fn evidence(
+    log: &Path,
+    pcap: &Path,
+    dump: ProcessGuard,
+    client_ip: IpAddr,
+    server_ip: IpAddr,
+) -> anyhow::Result<()> {
     step(7, "Evidence");
     std::thread::sleep(Duration::from_millis(500));
     drop(dump);
-    let ids = access_log_identities(&log_path, Duration::from_secs(5))?;
+    let ids = access_log_identities(log, Duration::from_secs(5))?;
     for line in &ids {
         ok(line);
     }
-    let data = std::fs::read(&pcap).context("read the capture")?;
-    let segs = crate::pcap::tcp_segments(&data)?;
+    ok(bridge_capture(pcap, client_ip, server_ip)?);
+    Ok(())
+}
+
+/// Checks that the segments between the pods in `pcap` all use port 15008, carry TLS records and
+/// never [`MESSAGE`] in clear; returns the summary line.
+fn bridge_capture(pcap: &Path, client_ip: IpAddr, server_ip: IpAddr) -> anyhow::Result<String> {
+    use anyhow::Context;
+    let data = std::fs::read(pcap).context("read the capture")?;
+    let segs = super::pcap::tcp_segments(&data)?;
     let between: Vec<_> = segs
         .iter()
         .filter(|s| {
@@ -271,10 +337,10 @@ fn run_inner(verbose: bool) -> anyhow::Result<()> {
     );
     let all_15008 = between
         .iter()
-        .all(|s| s.src_port == 15008 || s.dst_port == 15008);
+        .all(|s| s.src_port == HBONE_PORT || s.dst_port == HBONE_PORT);
     let clear = between
         .iter()
-        .any(|s| crate::pcap::contains(&s.payload, MESSAGE));
+        .any(|s| super::pcap::contains(&s.payload, MESSAGE));
     let tls_records = between
         .iter()
         .filter(|s| s.payload.starts_with(&[0x17, 0x03, 0x03]))
@@ -289,19 +355,17 @@ fn run_inner(verbose: bool) -> anyhow::Result<()> {
         tls_records > 0,
         "no TLS application-data records on the bridge"
     );
-    ok(format!(
+    Ok(format!(
         "bridge capture: {} TCP segments between the pods, all on port 15008, {} TLS records, {} payload bytes, message not visible in clear",
         between.len(),
         tls_records,
         bytes
-    ));
-    println!("\nCleaning up (CNI DEL, namespaces, processes)");
-    Ok(())
+    ))
 }
 
 /// Reads "connection complete" access-log lines and returns a summary per direction with the
 /// SPIFFE IDs of both ends.
-fn access_log_identities(log: &PathBuf, timeout: Duration) -> anyhow::Result<Vec<String>> {
+fn access_log_identities(log: &Path, timeout: Duration) -> anyhow::Result<Vec<String>> {
     let deadline = Instant::now() + timeout;
     loop {
         let text = std::fs::read_to_string(log).unwrap_or_default();

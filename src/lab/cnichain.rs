@@ -257,7 +257,7 @@ fn plugin_type(plugin: &Value) -> String {
 }
 
 /// Directories where Debian and upstream install the reference CNI plugins.
-pub const REFERENCE_PLUGIN_DIRS: [&str; 2] = ["/usr/lib/cni", "/opt/cni/bin"];
+pub const REFERENCE_PLUGIN_DIRS: [&str; 2] = ["/usr/lib/cni", crate::mesh::DEFAULT_CNI_BIN_DIR];
 
 /// The first directory of [`REFERENCE_PLUGIN_DIRS`] holding both `bridge` and `host-local`.
 pub fn find_reference_plugins() -> Option<PathBuf> {

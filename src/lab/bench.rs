@@ -1,0 +1,65 @@
+//! `ztnode bench`: what the mesh costs, measured in one run against the direct path.
+//!
+//! One lab node (see [`super::Lab`]) holds two pairs of pods on the same bridge: `d-client`/`d-server`
+//! (not enrolled: the direct path) and `m-client`/`m-server` (enrolled: traffic through ztnode HBONE),
+//! with a release `ztnode node` running in the node netns. Measured:
+//! throughput of 1 and 8 TCP streams (iperf3), 1 KiB request/response round trips on one connection
+//! (p50/p99), new connection + 1 KiB round trip + close per second, the node process's RSS (idle with 2
+//! and with `pods` enrolled pods, with `idle_conns` open idle connections, after they close), and the
+//! exec time of the `ztnode-cni` plugin in CNI ADD. Prints a table with ratios (ztnode / direct) and
+//! writes the same figures as JSON. Benchmarks are not tests: nothing here asserts a timing.
+
+mod measure;
+mod options;
+mod placement;
+mod report;
+mod sections;
+mod setup;
+
+pub use options::{BenchOptions, DEFAULT_LAB_PREFIX, Section};
+
+use report::{Figures, Machine};
+
+/// Runs the benchmark; returns the exit status.
+pub fn run(opts: BenchOptions) -> i32 {
+    match run_inner(&opts) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("bench failed: {e:#}");
+            1
+        }
+    }
+}
+
+/// The bench's steps in order: checks, the lab with the node and pods, the extra pods, the
+/// selected sections, the report. The lab goes away when `bed` drops, after the node stopped.
+fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
+    let started = time::OffsetDateTime::now_utc();
+    setup::preflight(opts)?;
+    let bed = setup::start(opts)?;
+    let enrolled = setup::enroll(&bed, opts)?;
+    setup::hold(&bed, opts);
+    let secs = opts.duration.as_secs().max(1);
+    let mut figures = Figures::default();
+    if opts.wants(Section::Throughput) {
+        sections::throughput(&bed, secs, &mut figures)?;
+    }
+    if opts.wants(Section::Latency) {
+        sections::latency(&bed, opts.round_trips, &mut figures)?;
+    }
+    if opts.wants(Section::Rate) {
+        sections::rate(&bed, secs, &mut figures)?;
+    }
+    if opts.wants(Section::Memory) {
+        sections::memory(&bed, opts, &enrolled, &mut figures)?;
+    }
+    if opts.wants(Section::Cni) {
+        sections::cni(&enrolled, &mut figures);
+    }
+    let machine = Machine::read(started);
+    report::print_table(secs, opts.round_trips, &machine, &figures);
+    let cni_add_samples = enrolled.plugin_ms.len();
+    report::write_json(opts, secs, cni_add_samples, &machine, &figures)?;
+    report::keep_log(&opts.json, &bed.mesh.log);
+    Ok(())
+}

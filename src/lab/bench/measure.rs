@@ -1,0 +1,441 @@
+//! The measurements behind the bench's figures: throughput, round trips, connection rate and the
+//! node's RSS and CPU time, each on a direct and a meshed pair of pods.
+
+use std::io::{Read, Write};
+use std::net::SocketAddr;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+
+use super::placement::{OneCpu, Placement, PollingIdle};
+use crate::lab::node::{Lab, Pod, ProcessGuard};
+use crate::netns::Netns;
+
+/// Bytes of one request and of its echo.
+const MSG: usize = 1024;
+
+/// The `p` quantile (0 to 1) of `sorted`, nearest rank; 0 when empty.
+pub(super) fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let idx = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[idx.min(sorted.len() - 1)]
+}
+
+/// Resident set size of the process `pid`, KiB.
+fn rss_kib(pid: u32) -> anyhow::Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .context("no VmRSS")
+}
+
+/// CPU time (user + system) the process `pid` has used, seconds (`/proc/<pid>/stat` fields 14
+/// and 15, in clock ticks).
+pub(super) fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // fields after the command name, which is in parentheses and may hold spaces
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).context("no comm")?;
+    let mut fields = rest.split_whitespace().skip(11);
+    let mut tick = || -> anyhow::Result<u64> { Ok(fields.next().context("short stat")?.parse()?) };
+    let ticks = tick()? + tick()?;
+    let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)?
+        .filter(|&hz| hz > 0)
+        .context("no CLK_TCK")?;
+    Ok(ticks as f64 / hz as f64)
+}
+
+/// [`rss_kib`] after 1.5 s for the process to settle.
+pub(super) fn settle_rss(pid: u32) -> anyhow::Result<u64> {
+    std::thread::sleep(Duration::from_millis(1500));
+    rss_kib(pid)
+}
+
+/// Slices a throughput or connection-rate figure is taken in, the paths alternating.
+const SLICES: u64 = 5;
+
+/// Measures `direct` and `mesh` over `secs` seconds each, in [`SLICES`] alternating slices (each
+/// closure gets the slice length, whole seconds, and returns its rate), and returns the mean rate
+/// of each path. Alternating makes both paths see the same spells of a VM whose speed drifts
+/// within a minute, which one run after the other did not.
+pub(super) fn interleaved(
+    secs: u64,
+    mut direct: impl FnMut(u64) -> anyhow::Result<f64>,
+    mut mesh: impl FnMut(u64) -> anyhow::Result<f64>,
+) -> anyhow::Result<(f64, f64)> {
+    let (slices, slice) = slicing(secs);
+    let (mut d, mut m) = (0.0, 0.0);
+    for _ in 0..slices {
+        d += direct(slice)?;
+        m += mesh(slice)?;
+    }
+    Ok((d / slices as f64, m / slices as f64))
+}
+
+/// `(slices, seconds per slice)` for `secs` seconds per path: up to [`SLICES`] slices of whole
+/// seconds, at least one of a second; they cover `secs` rounded down to a multiple of the slice.
+fn slicing(secs: u64) -> (u64, u64) {
+    let slices = SLICES.min(secs).max(1);
+    (slices, (secs / slices).max(1))
+}
+
+/// Runs iperf3 from `client` to `server`; returns Gbit/s and the bytes received.
+pub(super) fn iperf(
+    client: &Pod,
+    server: &Pod,
+    streams: usize,
+    secs: u64,
+) -> anyhow::Result<(f64, f64)> {
+    let port = "5201";
+    let srv = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &server.netns_name,
+            "iperf3",
+            "-s",
+            "-1",
+            "-p",
+            port,
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("start iperf3 (install the iperf3 package)")?;
+    let _srv = ProcessGuard(srv);
+    std::thread::sleep(Duration::from_millis(300));
+    let out = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &client.netns_name,
+            "iperf3",
+            "-c",
+            &server.ip.to_string(),
+            "-p",
+            port,
+            "-J",
+        ])
+        .args(["-t", &secs.to_string(), "-P", &streams.to_string()])
+        .output()?;
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("iperf3 JSON")?;
+    let sum = &v["end"]["sum_received"];
+    let bps = sum["bits_per_second"].as_f64().context("iperf3 result")?;
+    let bytes = sum["bytes"].as_f64().context("iperf3 result")?;
+    Ok((bps / 1e9, bytes))
+}
+
+/// An echo server's accept loop on its own thread. Stopping it (dropping it) shuts the listener
+/// down, which wakes the blocked `accept`, and joins the thread: the port can then be listened on
+/// again, whatever state the path to it is in.
+struct EchoServer {
+    addr: SocketAddr,
+    /// The listening socket, shared with the thread.
+    listener: std::net::TcpListener,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// Listens on `server`'s IP and `port` and echoes [`MSG`]-byte messages: one message per
+/// connection, then close (`close_after_reply`), or until the client closes (a thread each).
+fn echo_server(server: &Pod, port: u16, close_after_reply: bool) -> anyhow::Result<EchoServer> {
+    let ns = Netns::open(&server.netns_path)?;
+    let listener = Lab::listen_in(&ns, SocketAddr::new(server.ip, port))?;
+    serve_echo(listener, close_after_reply)
+}
+
+/// Runs [`echo_server`]'s accept loop on `listener`.
+fn serve_echo(
+    listener: std::net::TcpListener,
+    close_after_reply: bool,
+) -> anyhow::Result<EchoServer> {
+    listener.set_nonblocking(false)?;
+    let addr = listener.local_addr()?;
+    let accepting = listener.try_clone()?;
+    let thread = std::thread::spawn(move || {
+        // Ends with the error `accept` returns once the listener is shut down.
+        while let Ok((mut s, _)) = accepting.accept() {
+            let _ = s.set_nodelay(true);
+            let mut buf = [0u8; MSG];
+            if close_after_reply {
+                if s.read_exact(&mut buf).is_ok() {
+                    let _ = s.write_all(&buf);
+                }
+                continue;
+            }
+            std::thread::spawn(move || {
+                while s.read_exact(&mut buf).is_ok() {
+                    if s.write_all(&buf).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    Ok(EchoServer {
+        addr,
+        listener,
+        thread: Some(thread),
+    })
+}
+
+impl Drop for EchoServer {
+    fn drop(&mut self) {
+        let _ = socket2::SockRef::from(&self.listener).shutdown(std::net::Shutdown::Both);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Round-trip percentiles of both paths, µs.
+pub(super) struct Latency {
+    pub(super) direct_p50: f64,
+    pub(super) direct_p99: f64,
+    pub(super) mesh_p50: f64,
+    pub(super) mesh_p99: f64,
+}
+
+/// 1 KiB round trips on one kept connection per path (`pods`: direct client, direct server, mesh
+/// client, mesh server). The two paths alternate sample by sample, so both see the same machine
+/// (CPU wake-up latency on this VM moves the direct p50 by tens of µs between runs; measuring the
+/// paths one after the other would put that drift into the difference).
+pub(super) fn latency(
+    pods: [&Pod; 4],
+    n: usize,
+    port: u16,
+    placement: Placement,
+    node_pid: u32,
+) -> anyhow::Result<Latency> {
+    let [d_client, d_server, m_client, m_server] = pods;
+    // Pinned before the echo servers start, so their threads inherit the one CPU.
+    let _pinned = (placement == Placement::OneCpu)
+        .then(|| OneCpu::pin(node_pid))
+        .transpose()?;
+    let _polling = (placement == Placement::PollingIdle)
+        .then(PollingIdle::hold)
+        .transpose()?;
+    let d_echo = echo_server(d_server, port, false)?;
+    let m_echo = echo_server(m_server, port, false)?;
+    let (d_addr, m_addr) = (d_echo.addr, m_echo.addr);
+    let d_ns = Netns::open(&d_client.netns_path)?;
+    let m_ns = Netns::open(&m_client.netns_path)?;
+    let mut d = Lab::connect_from(&d_ns, d_addr)?;
+    let mut m = Lab::connect_from(&m_ns, m_addr)?;
+    d.set_nodelay(true)?;
+    m.set_nodelay(true)?;
+    let buf = [7u8; MSG];
+    let mut back = [0u8; MSG];
+    let mut round_trip = |s: &mut std::net::TcpStream| -> std::io::Result<f64> {
+        let t = Instant::now();
+        s.write_all(&buf)?;
+        s.read_exact(&mut back)?;
+        Ok(t.elapsed().as_secs_f64() * 1e6)
+    };
+    for _ in 0..n / 10 {
+        round_trip(&mut d)?;
+        round_trip(&mut m)?;
+    }
+    let mut direct = Vec::with_capacity(n);
+    let mut mesh = Vec::with_capacity(n);
+    for _ in 0..n {
+        direct.push(round_trip(&mut d)?);
+        mesh.push(round_trip(&mut m)?);
+    }
+    drop((d, m));
+    drop((d_echo, m_echo));
+    direct.sort_by(f64::total_cmp);
+    mesh.sort_by(f64::total_cmp);
+    Ok(Latency {
+        direct_p50: percentile(&direct, 0.5),
+        direct_p99: percentile(&direct, 0.99),
+        mesh_p50: percentile(&mesh, 0.5),
+        mesh_p99: percentile(&mesh, 0.99),
+    })
+}
+
+/// Connections per second from `client` to an echo server in `server` over `dur`: connect, one
+/// [`MSG`] round trip, close.
+pub(super) fn conn_rate(client: &Pod, server: &Pod, dur: Duration) -> anyhow::Result<f64> {
+    let echo = echo_server(server, 7200, true)?;
+    let addr = echo.addr;
+    let ns = Netns::open(&client.netns_path)?;
+    let buf = [9u8; MSG];
+    let (count, elapsed) = ns.run(move || -> std::io::Result<(u64, f64)> {
+        let start = Instant::now();
+        let mut count = 0u64;
+        let mut back = [0u8; MSG];
+        while start.elapsed() < dur {
+            let mut s = std::net::TcpStream::connect(addr)?;
+            s.set_nodelay(true)?;
+            s.write_all(&buf)?;
+            s.read_exact(&mut back)?;
+            let mut rest = [0u8; 1];
+            let _ = s.read(&mut rest);
+            count += 1;
+        }
+        Ok((count, start.elapsed().as_secs_f64()))
+    })??;
+    drop(echo);
+    Ok(count as f64 / elapsed)
+}
+
+/// RSS of the node process while idle connections are held through the tunnel, KiB: after each
+/// of [`IDLE_BATCHES`] batches of `n` connections (`held[i]` with `(i + 1) * n` open), and after
+/// all closed.
+///
+/// The per-connection figure is the slope from `n` to `IDLE_BATCHES * n`: the first `n` also pay
+/// one-time costs (code pages first touched by the data path, the first pooled HBONE connections
+/// and their buffers, allocator pages), which are not a cost per held connection. Two batches past
+/// the first halve the RSS noise per connection (how much freed memory of earlier sections a batch
+/// happens to reuse moves each reading by about a MiB).
+pub(super) fn idle_connections(
+    client: &Pod,
+    server: &Pod,
+    n: usize,
+    pid: u32,
+) -> anyhow::Result<IdleRss> {
+    let ns = Netns::open(&client.netns_path)?;
+    let sns = Netns::open(&server.netns_path)?;
+    let addr = SocketAddr::new(server.ip, 7300);
+    let listener = Lab::listen_in(&sns, addr)?;
+    let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = accepted.clone();
+    let acceptor = std::thread::spawn(move || {
+        let mut held = Vec::new();
+        while held.len() < IDLE_BATCHES * n {
+            match listener.accept() {
+                Ok((s, _)) => {
+                    held.push(s);
+                    count.store(held.len(), std::sync::atomic::Ordering::Release);
+                }
+                Err(_) => break,
+            }
+        }
+        held
+    });
+    // A client connect returns once ztnode's listener answered; the tunnel behind it is complete
+    // when the app accepted it.
+    let wait_accepted = |want: usize| -> anyhow::Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while accepted.load(std::sync::atomic::Ordering::Acquire) < want {
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "only {} of {want} idle connections reached the app",
+                accepted.load(std::sync::atomic::Ordering::Acquire)
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
+    };
+    let open = |count: usize| {
+        ns.run(move || -> std::io::Result<Vec<std::net::TcpStream>> {
+            (0..count)
+                .map(|_| std::net::TcpStream::connect(addr))
+                .collect()
+        })
+    };
+    let mut clients = Vec::with_capacity(IDLE_BATCHES * n);
+    let mut held = Vec::with_capacity(IDLE_BATCHES);
+    for batch in 1..=IDLE_BATCHES {
+        clients.extend(open(n)??);
+        wait_accepted(batch * n)?;
+        held.push(settle_rss(pid)?);
+    }
+    let accepted = acceptor
+        .join()
+        .map_err(|_| anyhow::anyhow!("acceptor panicked"))?;
+    drop((clients, accepted));
+    std::thread::sleep(Duration::from_secs(2));
+    let after = settle_rss(pid)?;
+    Ok(IdleRss { held, after })
+}
+
+/// Batches of idle connections [`idle_connections`] opens.
+const IDLE_BATCHES: usize = 3;
+
+/// RSS readings of [`idle_connections`], KiB.
+pub(super) struct IdleRss {
+    /// After each batch (`held[i]`: `(i + 1) * n` connections open).
+    pub(super) held: Vec<u64>,
+    /// After all closed.
+    pub(super) after: u64,
+}
+
+impl IdleRss {
+    /// KiB per connection from the first batch to the last.
+    pub(super) fn per_conn(&self, n: usize) -> f64 {
+        let (Some(first), Some(last)) = (self.held.first(), self.held.last()) else {
+            return 0.0;
+        };
+        let conns = (self.held.len().saturating_sub(1) * n).max(1);
+        last.saturating_sub(*first) as f64 / conns as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slices_alternate_and_average_each_path() {
+        assert_eq!(slicing(10), (5, 2));
+        assert_eq!(slicing(3), (3, 1));
+        assert_eq!(slicing(0), (1, 1));
+        let order = std::cell::RefCell::new(Vec::new());
+        let (d, m) = interleaved(
+            10,
+            |s| {
+                order.borrow_mut().push('d');
+                Ok(s as f64 * (order.borrow().len() as f64))
+            },
+            |s| {
+                order.borrow_mut().push('m');
+                Ok(s as f64)
+            },
+        )
+        .expect("measured");
+        assert_eq!(order.into_inner().iter().collect::<String>(), "dmdmdmdmdm");
+        // direct slices returned 2, 6, 10, 14 and 18
+        assert_eq!((d, m), (10.0, 2.0));
+    }
+
+    #[test]
+    fn a_stopped_echo_server_frees_its_port() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let echo = serve_echo(listener, true).expect("serve");
+        let addr = echo.addr;
+        let mut c = std::net::TcpStream::connect(addr).expect("connect");
+        c.write_all(&[5u8; MSG]).expect("write");
+        let mut back = [0u8; MSG];
+        c.read_exact(&mut back).expect("echo");
+        assert_eq!(back, [5u8; MSG]);
+        drop(echo);
+        std::net::TcpListener::bind(addr).expect("the port is free again");
+    }
+
+    #[test]
+    fn per_connection_slope_runs_from_the_first_batch_to_the_last() {
+        let idle = IdleRss {
+            held: vec![10_000, 14_000, 16_000],
+            after: 0,
+        };
+        // (16,000 - 10,000) KiB over the 2 × 1,000 connections past the first batch
+        assert_eq!(idle.per_conn(1000), 3.0);
+        // RSS that fell is no cost
+        let fell = IdleRss {
+            held: vec![10_000, 9_000, 9_500],
+            after: 0,
+        };
+        assert_eq!(fell.per_conn(1000), 0.0);
+        let one = IdleRss {
+            held: vec![10_000],
+            after: 0,
+        };
+        assert_eq!(one.per_conn(1000), 0.0);
+    }
+}

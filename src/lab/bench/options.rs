@@ -1,0 +1,51 @@
+//! What `ztnode bench` is asked to do.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Options of a bench run.
+#[derive(Debug, Clone)]
+pub struct BenchOptions {
+    /// Length of each throughput and connection-rate measurement.
+    pub duration: Duration,
+    /// Number of 1 KiB round trips for the latency figures.
+    pub round_trips: usize,
+    /// Enrolled pods for the "idle with N pods" RSS and the CNI ADD samples (≥ 2).
+    pub pods: usize,
+    /// Idle connections per batch held open through the tunnel: RSS is read after each of three
+    /// batches; the slope from the first to the third is the per-connection figure.
+    pub idle_conns: usize,
+    /// Where to write the JSON report.
+    pub json: PathBuf,
+    /// Keep the lab up this long before measuring (for attaching a profiler by hand).
+    pub hold: Duration,
+    /// Sections to run; empty means all.
+    pub only: Vec<Section>,
+    /// Name prefix of the lab's namespaces, bridge and directories ([`DEFAULT_LAB_PREFIX`]).
+    pub lab_prefix: String,
+}
+
+/// A part of the benchmark that `--only` can select.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Section {
+    /// iperf3 throughput, 1 and 8 streams.
+    Throughput,
+    /// 1 KiB round trips on one kept connection.
+    Latency,
+    /// New connection + 1 KiB round trip + close per second.
+    Rate,
+    /// RSS: idle with N pods, with the idle connections held, after they close.
+    Memory,
+    /// CNI ADD exec time over the extra pods.
+    Cni,
+}
+
+/// Default name prefix of the lab (netns `ztbench-node`, `ztbench-m-client`, ...).
+pub const DEFAULT_LAB_PREFIX: &str = "ztbench";
+
+impl BenchOptions {
+    /// Whether the run measures `section` (all sections when `only` is empty).
+    pub(super) fn wants(&self, section: Section) -> bool {
+        self.only.is_empty() || self.only.contains(&section)
+    }
+}

@@ -1,0 +1,185 @@
+//! The bench's lab: checks before it, the node with its two pairs of pods, the extra enrolled pods
+//! (with their CNI ADD times), and the optional hold before measuring.
+
+use std::net::IpAddr;
+use std::process::Command;
+
+use super::measure::settle_rss;
+use super::options::{BenchOptions, Section};
+use crate::lab::mesh::{MeshLab, MeshSpec, MeshStage};
+use crate::lab::node::{LabError, LabOptions, Pod};
+
+const SUBNET: &str = "10.250.0.0/16";
+
+/// The address host-local gives the `index`-th pod of the lab.
+fn pod_ip(index: usize) -> IpAddr {
+    // host-local hands out addresses in order from .2 (gateway .1).
+    let n = index + 2;
+    IpAddr::from([10, 250, (n / 256) as u8, (n % 256) as u8])
+}
+
+/// Checks that the run can start (root, `--pods`, `--lab-prefix`), raises the open-file limit and
+/// deletes the namespaces an interrupted earlier run with the same prefix may have left.
+pub(super) fn preflight(opts: &BenchOptions) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        nix::unistd::geteuid().is_root(),
+        "the benchmark builds network namespaces: run it as root"
+    );
+    anyhow::ensure!(opts.pods >= 2, "--pods must be at least 2");
+    crate::runtime::raise_nofile_limit();
+    let prefix = opts.lab_prefix.as_str();
+    // Short (interface names like `<prefix>-br` have 15 characters at most) and without `-`, so
+    // the leftover cleanup below cannot match another lab's names.
+    anyhow::ensure!(
+        (1..=8).contains(&prefix.len())
+            && prefix
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit()),
+        "--lab-prefix must be 1 to 8 characters of a-z and 0-9, not {prefix:?}"
+    );
+    // Namespaces an interrupted earlier run may have left.
+    if let Ok(out) = Command::new("ip").args(["netns", "list"]).output() {
+        for name in String::from_utf8_lossy(&out.stdout).split_whitespace() {
+            if name.starts_with(&format!("{prefix}-")) {
+                let _ = Command::new("ip").args(["netns", "del", name]).output();
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The lab node running a `ztnode node`, with the pods measured on: `[d-client, d-server,
+/// m-client, m-server]`, the `d-` pair outside the mesh, the `m-` pair enrolled.
+pub(super) struct Bed {
+    /// The node process, the lab and the four pods.
+    pub(super) mesh: MeshLab<4>,
+    /// The enrolled pods [`enroll`] adds (`p002`, ...) and their IPs, in the node's config from the
+    /// start.
+    extra: Vec<(String, IpAddr)>,
+}
+
+impl Bed {
+    /// Process id of the node.
+    pub(super) fn pid(&self) -> u32 {
+        self.mesh.node.0.id()
+    }
+
+    /// `[d-client, d-server, m-client, m-server]`.
+    pub(super) fn pods(&self) -> &[Pod; 4] {
+        &self.mesh.pods
+    }
+}
+
+/// Builds the lab, starts the node (`RUST_LOG` from `ZTNODE_BENCH_LOG`, default `warn`) with every
+/// enrolled pod of the run in its config, and adds the four measured pods.
+pub(super) fn start(opts: &BenchOptions) -> anyhow::Result<Bed> {
+    let prefix = opts.lab_prefix.as_str();
+    let exe = std::env::current_exe()?;
+    // pods in allocation order: d-client, d-server, m-client, m-server, p002..
+    let extra: Vec<(String, IpAddr)> = (2..opts.pods)
+        .map(|i| (format!("p{i:03}"), pod_ip(i + 2)))
+        .collect();
+    let mut workloads = vec![
+        ("m-client", "bench", "m-client", pod_ip(2)),
+        ("m-server", "bench", "m-server", pod_ip(3)),
+    ];
+    workloads.extend(
+        extra
+            .iter()
+            .map(|(n, ip)| (n.as_str(), "bench", n.as_str(), *ip)),
+    );
+    let level = std::env::var("ZTNODE_BENCH_LOG").unwrap_or_else(|_| "warn".into());
+    let spec = MeshSpec {
+        lab: LabOptions {
+            prefix: prefix.into(),
+            ztnode_binary: Some(exe.clone()),
+            run_dir: std::env::temp_dir()
+                .join(format!("ztnode-lab-{prefix}"))
+                .join("run"),
+            subnet: SUBNET.into(),
+            cni_version: "1.0.0".into(),
+        },
+        exe: &exe,
+        workloads: &workloads,
+        extra_config: "",
+        log_level: &level,
+        node_args: &["--no-install".into()],
+        pods: ["d-client", "d-server", "m-client", "m-server"].map(|name| (name, "bench")),
+    };
+    let mesh = MeshLab::start_observed(spec, |stage| {
+        if let MeshStage::NodeStarted { pid, .. } = stage {
+            eprintln!("bench: node up (pid {pid}); adding pods");
+        }
+        Ok::<(), LabError>(())
+    })?;
+    let [_, _, m_client, m_server] = &mesh.pods;
+    anyhow::ensure!(
+        m_client.ip == pod_ip(2) && m_server.ip == pod_ip(3),
+        "unexpected pod IPs"
+    );
+    Ok(Bed { mesh, extra })
+}
+
+/// What [`enroll`] measured: the node's RSS and the CNI ADD exec times (sorted, ms).
+pub(super) struct Enrolled {
+    /// RSS with the first two enrolled pods, KiB.
+    pub(super) rss_2: u64,
+    /// RSS with all `--pods` enrolled pods (the first two when neither the memory nor the CNI
+    /// section runs), KiB.
+    pub(super) rss_n: u64,
+    /// Exec time of `ztnode-cni` in each extra pod's ADD.
+    pub(super) plugin_ms: Vec<f64>,
+    /// Exec time of the whole chain in each extra pod's ADD.
+    pub(super) chain_ms: Vec<f64>,
+}
+
+/// Reads the node's RSS, adds the extra enrolled pods when the memory or the CNI section runs
+/// (timing each ADD), and reads the RSS again.
+pub(super) fn enroll(bed: &Bed, opts: &BenchOptions) -> anyhow::Result<Enrolled> {
+    let rss_2 = settle_rss(bed.pid())?;
+    let extra_pods = opts.wants(Section::Memory) || opts.wants(Section::Cni);
+    let mut plugin_ms = Vec::new();
+    let mut chain_ms = Vec::new();
+    for (name, _) in bed.extra.iter().filter(|_| extra_pods) {
+        let pod = bed.mesh.lab.add_pod(name, "bench")?;
+        for (plugin, d) in &pod.add_timings {
+            if plugin == "ztnode-cni" {
+                plugin_ms.push(d.as_secs_f64() * 1e3);
+            }
+        }
+        chain_ms.push(
+            pod.add_timings
+                .iter()
+                .map(|(_, d)| d.as_secs_f64() * 1e3)
+                .sum::<f64>(),
+        );
+    }
+    plugin_ms.sort_by(f64::total_cmp);
+    chain_ms.sort_by(f64::total_cmp);
+    let rss_n = settle_rss(bed.pid())?;
+    eprintln!("bench: {} pods enrolled; measuring", opts.pods);
+    Ok(Enrolled {
+        rss_2,
+        rss_n,
+        plugin_ms,
+        chain_ms,
+    })
+}
+
+/// Keeps the lab up for `--hold` before measuring, naming the node and the pods.
+pub(super) fn hold(bed: &Bed, opts: &BenchOptions) {
+    if opts.hold.is_zero() {
+        return;
+    }
+    let [d_client, d_server, m_client, m_server] = bed.pods();
+    eprintln!(
+        "bench: holding {:?}: node pid {}, pods {} {} (mesh) and {} {} (direct)",
+        opts.hold,
+        bed.pid(),
+        m_client.netns_name,
+        m_server.netns_name,
+        d_client.netns_name,
+        d_server.netns_name
+    );
+    std::thread::sleep(opts.hold);
+}
