@@ -140,6 +140,70 @@ fn pods_talk_over_hbone_with_identities_and_real_source_ip() {
     node.lab.cni_del(&node.client).expect("second DEL");
 }
 
+/// One packet mark for rules and sockets: with `--packet-mark 0x540` the in-pod rules exclude (and
+/// connmark) 0x540 instead of 0x539, so the proxy's own connections are not captured again and the
+/// app's replies to a spoofed client source find their way back to the proxy.
+#[test]
+fn a_non_default_packet_mark_reaches_the_rules_and_the_sockets() {
+    if !common::privileged("a_non_default_packet_mark_reaches_the_rules_and_the_sockets") {
+        return;
+    }
+    let node = MeshNode::start_with_args(&common::prefix("e2m"), "", &["--packet-mark", "0x540"]);
+    for pod in [&node.client, &node.server] {
+        let rules = MeshNode::ruleset(pod);
+        assert!(
+            rules.contains("0x00000540") || rules.contains("0x540"),
+            "rules do not name the configured mark:\n{rules}"
+        );
+        assert!(
+            !rules.contains("0x00000539") && !rules.contains("0x539"),
+            "rules still name the default mark:\n{rules}"
+        );
+    }
+
+    let pcap = node.lab.dir().join("mark.pcap");
+    let dump = node.lab.capture(&pcap).expect("tcpdump");
+    let server_ns = Netns::open(&node.server.netns_path).expect("server netns");
+    let client_ns = Netns::open(&node.client.netns_path).expect("client netns");
+    let app = SocketAddr::new(node.server.ip, 8080);
+    let echo = echo_once(&server_ns, app);
+    let secret = b"marked by the configured packet mark";
+    let mut c = Lab::connect_from(&client_ns, app).expect("connect");
+    c.write_all(secret).expect("write");
+    c.shutdown(std::net::Shutdown::Write).expect("half close");
+    let mut back = Vec::new();
+    c.read_to_end(&mut back).expect("read echo");
+    assert_eq!(back, secret);
+    let (got, peer) = echo.join().expect("echo thread");
+    assert_eq!(got, secret);
+    assert_eq!(peer.ip(), node.client.ip, "the app sees the client's IP");
+    for direction in ["direction=\"outbound\"", "direction=\"inbound\""] {
+        let line = node.wait_log(&["connection complete", direction], Duration::from_secs(5));
+        assert!(
+            line.contains("spiffe://cluster.local/ns/default/sa/bob"),
+            "{line}"
+        );
+    }
+
+    std::thread::sleep(Duration::from_millis(500));
+    drop(dump);
+    let data = std::fs::read(&pcap).expect("pcap");
+    let segs = ztnode::lab::pcap::tcp_segments(&data).expect("parse pcap");
+    let between: Vec<_> = segs
+        .iter()
+        .filter(|s| {
+            [s.src, s.dst].contains(&node.client.ip) && [s.src, s.dst].contains(&node.server.ip)
+        })
+        .collect();
+    assert!(!between.is_empty(), "capture saw nothing between the pods");
+    assert!(
+        between
+            .iter()
+            .all(|s| s.src_port == 15008 || s.dst_port == 15008),
+        "non-HBONE packets between pods"
+    );
+}
+
 #[test]
 fn gigabyte_transfer_and_200_concurrent_connections() {
     if !common::privileged("gigabyte_transfer_and_200_concurrent_connections") {

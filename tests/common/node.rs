@@ -31,6 +31,11 @@ impl MeshNode {
 
     /// [`MeshNode::start`] with `extra` appended to the local config (e.g. a `policies:` list).
     pub fn start_with(prefix: &str, extra: &str) -> MeshNode {
+        MeshNode::start_with_args(prefix, extra, &[])
+    }
+
+    /// [`MeshNode::start_with`] with `args` added to `ztnode node`'s command line.
+    pub fn start_with_args(prefix: &str, extra: &str, args: &[&str]) -> MeshNode {
         let run_dir = std::env::temp_dir().join(format!("ztnode-e2e-run-{prefix}"));
         let _ = std::fs::remove_dir_all(&run_dir);
         let client_ip = "10.249.0.2".parse().expect("ip");
@@ -56,7 +61,10 @@ impl MeshNode {
             ],
             extra_config: extra,
             log_level: "info",
-            node_args: &["--no-install".into()],
+            node_args: &std::iter::once("--no-install")
+                .chain(args.iter().copied())
+                .map(std::ffi::OsString::from)
+                .collect::<Vec<_>>(),
             pods: [
                 ("client", "default"),
                 ("server", "default"),
