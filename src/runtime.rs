@@ -6,7 +6,7 @@ use std::time::Duration;
 /// Default data-plane worker threads when `ZTUNNEL_WORKER_THREADS` is unset or invalid.
 pub const DEFAULT_WORKER_THREADS: usize = 2;
 
-/// How often [`trim_heap`] collects: mimalloc's purge delay (`purge_delay`, 1 s).
+/// How often the heap-trim timer task collects: mimalloc's purge delay (`purge_delay`, 1 s).
 pub const HEAP_TRIM_INTERVAL: Duration = Duration::from_secs(1);
 
 /// Installs the tracing subscriber on stderr: filter from `RUST_LOG` (default `info`), JSON lines
@@ -60,7 +60,7 @@ pub fn worker_threads() -> usize {
 
 /// The multi-thread runtime of `node`, `agent` and `proxy`: [`worker_threads`] workers named
 /// `ztnode`, each collecting its heap when it parks (at most once a second), and the
-/// [`trim_heap`] timer task. Errors: the runtime could not be built (threads, epoll).
+/// heap-trim timer task. Errors: the runtime could not be built (threads, epoll).
 pub fn build() -> std::io::Result<tokio::runtime::Runtime> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .on_thread_park(collect_idle_heap)
