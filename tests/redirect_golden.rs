@@ -1,11 +1,14 @@
 //! Redirection rules against a real kernel (root; fresh named network namespaces per test).
 //!
 //! - `nft list ruleset` after `apply` equals `tests/golden/<case>.nft` for v4 / v4+v6, DNS capture
-//!   on / off; the rendered script equals `tests/golden/<case>.script.nft`, passes `nft -c -f`, and
-//!   applied with `nft -f` lists exactly like our netlink apply. `UPDATE_GOLDEN=1` rewrites goldens.
+//!   on / off, and the per-pod options ingress mode (`v4_ingress`, istio-cni's `ingress.golden`)
+//!   and virtual interfaces (`v4v6_virtual_interfaces`, `virtual_interfaces_ipv6.golden`); the
+//!   rendered script equals `tests/golden/<case>.script.nft`, passes `nft -c -f`, and applied with
+//!   `nft -f` lists exactly like our netlink apply; re-applying through [`NftRules`] with the pod's
+//!   options changes nothing. `UPDATE_GOLDEN=1` rewrites goldens.
 //! - apply is idempotent, remove cleans nft, `ip rule` and table 100 (v4 and v6), twice and on an
 //!   empty netns; TCP really gets redirected (outbound -> 15001, inbound -> 15006, 15008 and probes
-//!   untouched).
+//!   untouched; in ingress mode inbound is untouched; from a virtual interface inbound -> 15001).
 //!
 //! Without root (or without `ip`/`nft`) the tests print SKIP, or fail when `CI` is set.
 
@@ -16,7 +19,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use ztnode::agent::redirect::{self, RedirectPlan};
+use ztnode::agent::pods::{NftRules, RuleApplier};
+use ztnode::agent::redirect::{self, InterfaceName, PodRedirectOptions, RedirectPlan};
 use ztnode::netns::Netns;
 
 /// A named network namespace deleted on drop.
@@ -96,29 +100,66 @@ fn privileged() -> bool {
     }
 }
 
+/// A golden case: the node-wide plan, the pod's options and the pod plan they merge into.
 struct Case {
     name: &'static str,
+    node: RedirectPlan,
+    pod: PodRedirectOptions,
     plan: RedirectPlan,
 }
 
-fn case(name: &'static str, ipv6: bool, dns_capture: bool) -> Case {
+fn pod_case(name: &'static str, ipv6: bool, dns_capture: bool, pod: PodRedirectOptions) -> Case {
+    let node = RedirectPlan {
+        ipv6,
+        dns_capture,
+        ..RedirectPlan::default()
+    };
     Case {
         name,
-        plan: RedirectPlan {
-            ipv6,
-            dns_capture,
-            ..RedirectPlan::default()
-        },
+        plan: node.for_pod(&pod),
+        node,
+        pod,
     }
 }
 
-fn cases() -> [Case; 4] {
-    [
+fn case(name: &'static str, ipv6: bool, dns_capture: bool) -> Case {
+    pod_case(name, ipv6, dns_capture, PodRedirectOptions::default())
+}
+
+fn ingress_mode() -> PodRedirectOptions {
+    PodRedirectOptions {
+        bypass_inbound_capture: true,
+        ..Default::default()
+    }
+}
+
+fn virtual_interfaces(names: &[&str]) -> Result<PodRedirectOptions> {
+    let names = names
+        .iter()
+        .map(|n| InterfaceName::new(n))
+        .collect::<Result<_, _>>()?;
+    Ok(PodRedirectOptions {
+        virtual_interfaces: names,
+        ..Default::default()
+    })
+}
+
+/// The cases; the last two are istio-cni's `ingress` (v4) and `virtual_interfaces` (v4+v6) cases,
+/// DNS capture off as in its tests.
+fn cases() -> Result<[Case; 6]> {
+    Ok([
         case("v4", false, false),
         case("v4_dns", false, true),
         case("v4v6", true, false),
         case("v4v6_dns", true, true),
-    ]
+        pod_case("v4_ingress", false, false, ingress_mode()),
+        pod_case(
+            "v4v6_virtual_interfaces",
+            true,
+            false,
+            virtual_interfaces(&["fake1s0f0", "fake1s0f1"])?,
+        ),
+    ])
 }
 
 fn golden_path(file: &str) -> PathBuf {
@@ -209,7 +250,7 @@ fn assert_clean(ns: &TestNs) -> Result<()> {
 
 #[test]
 fn rendered_scripts_match_goldens() -> Result<()> {
-    for c in cases() {
+    for c in cases()? {
         check_golden(
             &format!("{}.script.nft", c.name),
             &redirect::render_script(&c.plan),
@@ -230,7 +271,8 @@ fn apply_case(c: &Case) -> Result<()> {
     assert_routing(&ns, c.plan.ipv6)?;
     ensure!(redirect::is_applied(&ns.netns)?, "is_applied after apply");
 
-    redirect::apply(&ns.netns, &c.plan)?;
+    // The agent's path: the node-wide plan and the pod's options through the rule applier.
+    NftRules::new(c.node.clone()).apply_for_pod(&ns.netns, &c.pod)?;
     ensure!(ns.ruleset()? == once, "second apply changed the ruleset");
     assert_routing(&ns, c.plan.ipv6)?;
 
@@ -254,7 +296,7 @@ fn apply_v4_matches_golden() -> Result<()> {
     if !privileged() {
         return Ok(());
     }
-    apply_case(&cases()[0])
+    apply_case(&cases()?[0])
 }
 
 #[test]
@@ -262,7 +304,7 @@ fn apply_v4_dns_matches_golden() -> Result<()> {
     if !privileged() {
         return Ok(());
     }
-    apply_case(&cases()[1])
+    apply_case(&cases()?[1])
 }
 
 #[test]
@@ -270,7 +312,7 @@ fn apply_v4v6_matches_golden() -> Result<()> {
     if !privileged() {
         return Ok(());
     }
-    apply_case(&cases()[2])
+    apply_case(&cases()?[2])
 }
 
 #[test]
@@ -278,7 +320,38 @@ fn apply_v4v6_dns_matches_golden() -> Result<()> {
     if !privileged() {
         return Ok(());
     }
-    apply_case(&cases()[3])
+    apply_case(&cases()?[3])
+}
+
+#[test]
+fn apply_v4_ingress_matches_golden() -> Result<()> {
+    if !privileged() {
+        return Ok(());
+    }
+    apply_case(&cases()?[4])
+}
+
+#[test]
+fn apply_v4v6_virtual_interfaces_matches_golden() -> Result<()> {
+    if !privileged() {
+        return Ok(());
+    }
+    apply_case(&cases()?[5])
+}
+
+#[test]
+fn changed_pod_options_converge() -> Result<()> {
+    if !privileged() {
+        return Ok(());
+    }
+    let [v4, _, _, _, v4_ingress, v4v6_virt] = cases()?;
+    let ns = TestNs::new("pod-switch")?;
+    redirect::apply(&ns.netns, &v4v6_virt.plan)?;
+    redirect::apply(&ns.netns, &v4_ingress.plan)?;
+    check_golden("v4_ingress.nft", &ns.ruleset()?)?;
+    assert_routing(&ns, false)?;
+    redirect::apply(&ns.netns, &v4.plan)?;
+    check_golden("v4.nft", &ns.ruleset()?)
 }
 
 #[test]
@@ -286,7 +359,7 @@ fn reapply_with_other_plan_converges() -> Result<()> {
     if !privileged() {
         return Ok(());
     }
-    let [v4, _, _, v4v6_dns] = cases();
+    let [v4, _, _, v4v6_dns, _, _] = cases()?;
     let ns = TestNs::new("switch")?;
     redirect::apply(&ns.netns, &v4v6_dns.plan)?;
     redirect::apply(&ns.netns, &v4.plan)?;
@@ -300,7 +373,7 @@ fn remove_cleans_up_and_is_idempotent() -> Result<()> {
         return Ok(());
     }
     let ns = TestNs::new("remove")?;
-    redirect::apply(&ns.netns, &cases()[3].plan)?;
+    redirect::apply(&ns.netns, &cases()?[3].plan)?;
     redirect::remove(&ns.netns)?;
     assert_clean(&ns)?;
     redirect::remove(&ns.netns)?;
@@ -394,13 +467,11 @@ fn outbound_tcp_is_redirected_to_15001() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn inbound_tcp_is_redirected_except_hbone_and_probes() -> Result<()> {
-    if !privileged() {
-        return Ok(());
-    }
-    let pod = TestNs::new("in-pod")?;
-    let peer = TestNs::new("in-peer")?;
+/// A pod netns with `vp` = 10.254.2.2/24 and a peer netns with `vc` = 10.254.2.1/24 plus the
+/// probe SNAT address 169.254.7.127, joined by a veth pair.
+fn pod_and_peer(tag: &str) -> Result<(TestNs, TestNs, Ipv4Addr)> {
+    let pod = TestNs::new(&format!("{tag}-pod"))?;
+    let peer = TestNs::new(&format!("{tag}-peer"))?;
     run(
         "ip",
         &[
@@ -415,12 +486,20 @@ fn inbound_tcp_is_redirected_except_hbone_and_probes() -> Result<()> {
     peer.exec("ip", &["addr", "add", "169.254.7.127/32", "dev", "vc"])?;
     peer.exec("ip", &["link", "set", "vc", "up"])?;
     peer.exec("ip", &["link", "set", "lo", "up"])?;
+    Ok((pod, peer, Ipv4Addr::new(10, 254, 2, 2)))
+}
+
+#[test]
+fn inbound_tcp_is_redirected_except_hbone_and_probes() -> Result<()> {
+    if !privileged() {
+        return Ok(());
+    }
+    let (pod, peer, pod_ip) = pod_and_peer("in")?;
     redirect::apply(&pod.netns, &RedirectPlan::default())?;
 
     let inbound = listen(&pod.netns, 15006)?;
     let hbone = listen(&pod.netns, 15008)?;
     let app = listen(&pod.netns, 8080)?;
-    let pod_ip = Ipv4Addr::new(10, 254, 2, 2);
 
     let _c1 = connect(&peer.netns, SocketAddrV4::new(pod_ip, 8080), None)?;
     let s1 = accept_one(&inbound).context("plain inbound must reach 15006")?;
@@ -436,5 +515,40 @@ fn inbound_tcp_is_redirected_except_hbone_and_probes() -> Result<()> {
     let probe = Some(Ipv4Addr::new(169, 254, 7, 127));
     let _c3 = connect(&peer.netns, SocketAddrV4::new(pod_ip, 8080), probe)?;
     read_byte(&accept_one(&app).context("probes must reach the app port")?)?;
+    Ok(())
+}
+
+#[test]
+fn ingress_mode_leaves_inbound_tcp_alone() -> Result<()> {
+    if !privileged() {
+        return Ok(());
+    }
+    let (pod, peer, pod_ip) = pod_and_peer("ing")?;
+    let plan = RedirectPlan::default().for_pod(&ingress_mode());
+    redirect::apply(&pod.netns, &plan)?;
+
+    let _inbound = listen(&pod.netns, 15006)?;
+    let app = listen(&pod.netns, 8080)?;
+    let _c = connect(&peer.netns, SocketAddrV4::new(pod_ip, 8080), None)?;
+    read_byte(&accept_one(&app).context("ingress mode: inbound must reach the app port")?)?;
+    Ok(())
+}
+
+#[test]
+fn tcp_from_a_virtual_interface_is_redirected_to_15001() -> Result<()> {
+    if !privileged() {
+        return Ok(());
+    }
+    let (pod, peer, pod_ip) = pod_and_peer("virt")?;
+    let plan = RedirectPlan::default().for_pod(&virtual_interfaces(&["vp"])?);
+    redirect::apply(&pod.netns, &plan)?;
+
+    let outbound = listen(&pod.netns, 15001)?;
+    let _inbound = listen(&pod.netns, 15006)?;
+    let target = SocketAddrV4::new(pod_ip, 8080);
+    let _c = connect(&peer.netns, target, None)?;
+    let s = accept_one(&outbound).context("TCP in on a virtual interface must reach 15001")?;
+    read_byte(&s)?;
+    ensure!(original_dst(&s)? == target, "original dst lost");
     Ok(())
 }

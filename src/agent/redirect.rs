@@ -11,10 +11,16 @@
 //!   the replies back to ztunnel through the local route in table 100.
 //! - `istio-ambient-raw` (DNS capture only): ztunnel's upstream DNS flows get conntrack zone 1.
 //!
+//! Per-pod options (spec §3.1, §4.4, §4.5; [`PodRedirectOptions`], merged into the node-wide plan by
+//! [`RedirectPlan::for_pod`]): ingress mode drops the inbound redirect and its probe accept,
+//! virtual interfaces get their inbound TCP sent to `:15001` first thing in nat `istio-prerouting`,
+//! and DNS capture can be turned on or off for the one pod.
+//!
 //! [`render_script`] prints the same rule set as an `nft -f` script (istio-cni's text, for docs and
 //! debugging); [`apply`] installs it. Unlike the script's `add` + `flush`, [`apply`] replaces each
 //! table with `add` + `delete` + `add`, so chains left by older versions disappear as well.
 
+mod pod_options;
 mod routing;
 mod rule_spec;
 mod rules;
@@ -28,6 +34,10 @@ use crate::mesh::{DEFAULT_PROBE_V4, DEFAULT_PROBE_V6, PacketMark};
 use crate::netns::{Netns, NetnsError};
 use crate::nft::{self, Batch, Command, NftError, Table};
 
+pub use pod_options::{
+    InterfaceName, InterfaceNameError, MAX_INTERFACE_NAME_LEN, PodRedirectOptions,
+};
+
 /// Conntrack zone of ztunnel's upstream DNS traffic.
 pub const DNS_CT_ZONE: u16 = 1;
 
@@ -38,13 +48,15 @@ pub const MANGLE_TABLE: &str = "istio-ambient-mangle";
 /// The raw table (DNS conntrack zone; only with DNS capture).
 pub const RAW_TABLE: &str = "istio-ambient-raw";
 
-/// What to install in a pod.
+/// What to install in a pod. The agent holds one node-wide plan (no per-pod fields set);
+/// [`RedirectPlan::for_pod`] turns it into the plan of one pod.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RedirectPlan {
     /// Also capture IPv6 (v6 variants of the address rules, `ip -6` rule and route).
     pub ipv6: bool,
-    /// Redirect DNS (UDP/TCP 53) to ztunnel and install the raw table (global
-    /// `AMBIENT_DNS_CAPTURE`, overridden per pod by `ambient.istio.io/dns-capture`).
+    /// Redirect DNS (UDP/TCP 53) to ztunnel and install the raw table. In the node-wide plan the
+    /// global `AMBIENT_DNS_CAPTURE`; in a pod's plan the effective value, after the pod's
+    /// `ambient.istio.io/dns-capture` override (spec §4.4).
     pub dns_capture: bool,
     /// Source address of kubelet probes after host SNAT; such traffic bypasses capture.
     pub probe_v4: Ipv4Addr,
@@ -53,6 +65,12 @@ pub struct RedirectPlan {
     /// The proxy's packet mark: packets carrying it are never captured, and they set the
     /// connection mark. Must be the mark the proxy puts on its sockets.
     pub proxy_mark: PacketMark,
+    /// Ingress mode (per pod, [`PodRedirectOptions::bypass_inbound_capture`]): no inbound
+    /// redirect to `:15006` and no prerouting probe accept (spec §4.5).
+    pub bypass_inbound_capture: bool,
+    /// Virtual interfaces (per pod, [`PodRedirectOptions::virtual_interfaces`]): their inbound TCP
+    /// is redirected to the outbound port `:15001`, ahead of every other inbound rule (spec §4.5).
+    pub virtual_interfaces: Vec<InterfaceName>,
 }
 
 /// Errors installing, removing or checking the redirection.
@@ -115,7 +133,8 @@ pub enum RedirectError {
 }
 
 impl Default for RedirectPlan {
-    /// IPv4 only, no DNS capture, Istio's default probe SNAT addresses and packet mark.
+    /// IPv4 only, no DNS capture, Istio's default probe SNAT addresses and packet mark, no per-pod
+    /// options.
     fn default() -> Self {
         RedirectPlan {
             ipv6: false,
@@ -123,12 +142,16 @@ impl Default for RedirectPlan {
             probe_v4: DEFAULT_PROBE_V4,
             probe_v6: DEFAULT_PROBE_V6,
             proxy_mark: PacketMark::DEFAULT,
+            bypass_inbound_capture: false,
+            virtual_interfaces: Vec::new(),
         }
     }
 }
 
 /// The rule set as an nft script (`add table` / `flush table` / `add chain` / `add rule` lines,
-/// istio-cni's order and wording), e.g. for `nft -f` or logs. Pure.
+/// istio-cni's order and wording), e.g. for `nft -f` or logs. Pure. One deliberate difference:
+/// virtual interface names are double-quoted (`iifname "eth1"`; istio-cni prints them bare), so a
+/// name that is also an nft keyword still parses.
 pub fn render_script(plan: &RedirectPlan) -> String {
     rules::render(plan)
 }
@@ -160,7 +183,9 @@ pub fn remove_batch() -> Batch {
 
 /// Installs the redirection in `netns`: one nf_tables transaction replacing our tables (the raw
 /// table is deleted when DNS capture is off), then `lo` up, the fwmark rule and the local route.
-/// Idempotent: applying twice leaves the same state as applying once. Blocking.
+/// Idempotent: applying twice leaves the same state as applying once; applying another plan
+/// (e.g. a pod's options changed) converges to that plan. For a pod with options pass
+/// `node_plan.for_pod(&options)`. Blocking.
 pub fn apply(netns: &Netns, plan: &RedirectPlan) -> Result<(), RedirectError> {
     let plan = plan.clone();
     netns.run(move || -> Result<(), RedirectError> {

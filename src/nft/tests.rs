@@ -177,6 +177,65 @@ fn verdicts_encode_code_and_chain() {
     assert_eq!(Verdict::Return.code(), -5);
 }
 
+/// `iifname fake1s0f0 ... return` as nft 1.0.6 sends it (`nft --debug=mnl`): `meta load iifname`,
+/// a 16-byte NUL-padded compare, and the return verdict (-5 = 0xfffffffb).
+#[test]
+fn iifname_match_and_return_verdict_match_nft() {
+    let meta = encode(&Expr::Meta {
+        key: MetaKey::IifName,
+        dreg: r1(),
+    });
+    let expected_meta = [
+        h(36, 1, true),
+        h(9, 1, false),
+        b"meta\0\0\0\0".to_vec(),
+        h(20, 2, true),
+        h(8, 2, false),
+        vec![0, 0, 0, 6],
+        h(8, 1, false),
+        vec![0, 0, 0, 1],
+    ]
+    .concat();
+    assert_eq!(meta, expected_meta);
+
+    let cmp = encode(&Expr::Cmp {
+        sreg: r1(),
+        op: CmpOp::Eq,
+        data: b"fake1s0f0\0\0\0\0\0\0\0".to_vec(),
+    });
+    let expected_cmp = [
+        h(56, 1, true),
+        h(8, 1, false),
+        b"cmp\0".to_vec(),
+        h(44, 2, true),
+        h(8, 1, false),
+        vec![0, 0, 0, 1],
+        h(8, 2, false),
+        vec![0, 0, 0, 0],
+        h(24, 3, true),
+        h(20, 1, false),
+        b"fake1s0f0\0\0\0\0\0\0\0".to_vec(),
+    ]
+    .concat();
+    assert_eq!(cmp, expected_cmp);
+
+    let ret = encode(&Expr::verdict(Verdict::Return));
+    let expected_ret = [
+        h(48, 1, true),
+        h(14, 1, false),
+        b"immediate\0\0\0".to_vec(),
+        h(28, 2, true),
+        h(8, 1, false),
+        vec![0, 0, 0, 0],
+        h(16, 2, true),
+        h(12, 2, true),
+        h(8, 1, false),
+        vec![0xff, 0xff, 0xff, 0xfb],
+    ]
+    .concat();
+    assert_eq!(ret, expected_ret);
+}
+
 #[test]
 fn bitwise_ct_meta_set_and_counter_layout() {
     let bw = Expr::Bitwise {

@@ -1,35 +1,49 @@
 //! The redirection step of the pod lifecycle behind a trait, so the lifecycle can be tested with a
 //! recording fake and without privileges (STYLE practice 7: rules applied through a trait).
 
-use crate::agent::redirect::{self, RedirectError, RedirectPlan};
+use crate::agent::redirect::{self, PodRedirectOptions, RedirectError, RedirectPlan};
 use crate::netns::Netns;
 
-/// Installs and removes a pod's traffic redirection. Both calls are blocking (they enter the
+/// Installs and removes a pod's traffic redirection. All calls are blocking (they enter the
 /// pod's netns); the pod manager runs them on the blocking pool.
 pub trait RuleApplier: Send + Sync {
-    /// Installs the redirection in `netns`. Must be idempotent: applying twice equals once.
-    fn apply(&self, netns: &Netns) -> Result<(), RedirectError>;
+    /// Installs the redirection of a pod without per-pod options in `netns`:
+    /// [`RuleApplier::apply_for_pod`] with [`PodRedirectOptions::default()`].
+    fn apply(&self, netns: &Netns) -> Result<(), RedirectError> {
+        self.apply_for_pod(netns, &PodRedirectOptions::default())
+    }
+    /// Installs the redirection of a pod with options `pod` (ingress mode, DNS capture override,
+    /// virtual interfaces; spec §3.1) in `netns`. Must be idempotent: applying twice equals once;
+    /// applying with other options converges to them.
+    fn apply_for_pod(&self, netns: &Netns, pod: &PodRedirectOptions) -> Result<(), RedirectError>;
     /// Removes the redirection from `netns`; succeeds when nothing is installed.
     fn remove(&self, netns: &Netns) -> Result<(), RedirectError>;
 }
 
-/// The real rules: istio-cni's nftables rule set and policy routing of `plan`
-/// ([`redirect::apply`], [`redirect::remove`]).
+/// The real rules: istio-cni's nftables rule set and policy routing of the node-wide `plan`,
+/// merged with each pod's options ([`RedirectPlan::for_pod`], [`redirect::apply`],
+/// [`redirect::remove`]).
 #[derive(Debug, Clone)]
 pub struct NftRules {
     plan: RedirectPlan,
 }
 
 impl NftRules {
-    /// Rules of `plan`.
+    /// Rules of the node-wide `plan`.
     pub fn new(plan: RedirectPlan) -> NftRules {
         NftRules { plan }
+    }
+
+    /// The plan installed for a pod with options `pod` (pure; what
+    /// [`RuleApplier::apply_for_pod`] applies).
+    pub fn plan_for(&self, pod: &PodRedirectOptions) -> RedirectPlan {
+        self.plan.for_pod(pod)
     }
 }
 
 impl RuleApplier for NftRules {
-    fn apply(&self, netns: &Netns) -> Result<(), RedirectError> {
-        redirect::apply(netns, &self.plan)
+    fn apply_for_pod(&self, netns: &Netns, pod: &PodRedirectOptions) -> Result<(), RedirectError> {
+        redirect::apply(netns, &self.plan_for(pod))
     }
 
     fn remove(&self, netns: &Netns) -> Result<(), RedirectError> {

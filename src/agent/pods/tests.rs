@@ -24,7 +24,11 @@ impl FakeRules {
 }
 
 impl RuleApplier for FakeRules {
-    fn apply(&self, _netns: &Netns) -> Result<(), redirect::RedirectError> {
+    fn apply_for_pod(
+        &self,
+        _netns: &Netns,
+        _pod: &redirect::PodRedirectOptions,
+    ) -> Result<(), redirect::RedirectError> {
         self.calls.lock().expect("calls").push("apply");
         Ok(())
     }

@@ -24,6 +24,13 @@ pub(super) enum Dir {
     Dst,
 }
 
+/// Which interface of the packet: the one it came in on or the one it leaves by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum IfDir {
+    In,
+    Out,
+}
+
 /// One match of a rule; all must hold for the action to run.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum Match {
@@ -43,8 +50,15 @@ pub(super) enum Match {
         port: u16,
         negate: bool,
     },
-    /// `oifname lo`, `oifname != lo`.
-    OifName { name: &'static str, negate: bool },
+    /// `oifname lo`, `oifname != lo`, `iifname "eth1"`. `quote` prints the name in double quotes
+    /// (names from pod options, which might collide with nft keywords); istio-cni's own `lo` is
+    /// printed bare, as in its scripts.
+    IfName {
+        dir: IfDir,
+        name: String,
+        quote: bool,
+        negate: bool,
+    },
     /// `meta mark and 0xfff != 0x539`.
     MetaMark { mask: u32, value: u32, negate: bool },
     /// `ct mark and 0xfff == 0x111`.
@@ -56,6 +70,8 @@ pub(super) enum Match {
 pub(super) enum Action {
     Jump(&'static str),
     Accept,
+    /// `return` to the calling chain.
+    Return,
     /// `redirect to :<port>` (to the primary local address, keeping the original destination
     /// retrievable through SO_ORIGINAL_DST).
     Redirect(u16),
@@ -197,7 +213,20 @@ impl Match {
                 let d = if *dir == Dir::Src { "sport" } else { "dport" };
                 format!("{} {d} {}{port}", proto.name(), op_str(*negate))
             }
-            Match::OifName { name, negate } => format!("oifname {}{name}", op_str(*negate)),
+            Match::IfName {
+                dir,
+                name,
+                quote,
+                negate,
+            } => {
+                let key = if *dir == IfDir::In {
+                    "iifname"
+                } else {
+                    "oifname"
+                };
+                let q = if *quote { "\"" } else { "" };
+                format!("{key} {}{q}{name}{q}", op_str(*negate))
+            }
             Match::MetaMark {
                 mask,
                 value,
@@ -270,15 +299,20 @@ impl Match {
                 });
                 v
             }
-            Match::OifName { name, negate } => {
+            Match::IfName {
+                dir, name, negate, ..
+            } => {
+                // IFNAMSIZ bytes, NUL-padded: an exact match, as nft encodes a name without `*`.
                 let mut data = [0u8; 16];
                 let n = name.len().min(15);
                 data[..n].copy_from_slice(&name.as_bytes()[..n]);
+                let key = if *dir == IfDir::In {
+                    MetaKey::IifName
+                } else {
+                    MetaKey::OifName
+                };
                 vec![
-                    Expr::Meta {
-                        key: MetaKey::OifName,
-                        dreg: REG,
-                    },
+                    Expr::Meta { key, dreg: REG },
                     Expr::Cmp {
                         sreg: REG,
                         op: cmp_op(*negate),
@@ -315,6 +349,7 @@ impl Action {
         match self {
             Action::Jump(c) => format!("jump {c}"),
             Action::Accept => "accept".into(),
+            Action::Return => "return".into(),
             Action::Redirect(p) => format!("redirect to :{p}"),
             Action::CtMarkSet { keep, set } => {
                 format!("ct mark set ct mark & {keep:#x} | {set:#x}")
@@ -332,6 +367,7 @@ impl Action {
         match self {
             Action::Jump(c) => vec![Expr::verdict(Verdict::Jump((*c).into()))],
             Action::Accept => vec![Expr::verdict(Verdict::Accept)],
+            Action::Return => vec![Expr::verdict(Verdict::Return)],
             Action::Redirect(p) => vec![
                 Expr::Immediate {
                     dreg: REG,
@@ -465,5 +501,69 @@ mod tests {
             ]
         );
         assert_eq!(r.script(), "tcp dport != 15008 counter redirect to :15006");
+    }
+
+    #[test]
+    fn virtual_interface_rule_expressions_follow_nft() {
+        // nft --debug=netlink for `iifname fake1s0f0 meta l4proto tcp counter return`.
+        let iif = Match::IfName {
+            dir: IfDir::In,
+            name: "fake1s0f0".into(),
+            quote: true,
+            negate: false,
+        };
+        let r = rule(
+            "istio-prerouting",
+            vec![iif, Match::L4Proto(Proto::Tcp)],
+            Action::Return,
+        );
+        let mut name = [0u8; 16];
+        name[..9].copy_from_slice(b"fake1s0f0");
+        assert_eq!(
+            r.exprs(),
+            [
+                Expr::Meta {
+                    key: MetaKey::IifName,
+                    dreg: REG
+                },
+                Expr::Cmp {
+                    sreg: REG,
+                    op: CmpOp::Eq,
+                    data: name.to_vec()
+                },
+                Expr::Meta {
+                    key: MetaKey::L4Proto,
+                    dreg: REG
+                },
+                Expr::Cmp {
+                    sreg: REG,
+                    op: CmpOp::Eq,
+                    data: vec![6]
+                },
+                Expr::Counter,
+                Expr::verdict(Verdict::Return),
+            ]
+        );
+        assert_eq!(
+            r.script(),
+            "iifname \"fake1s0f0\" meta l4proto tcp counter return"
+        );
+        let lo = Match::IfName {
+            dir: IfDir::Out,
+            name: "lo".into(),
+            quote: false,
+            negate: true,
+        };
+        assert_eq!(lo.script(), "oifname != lo");
+        assert!(matches!(
+            lo.exprs()[..],
+            [
+                Expr::Meta {
+                    key: MetaKey::OifName,
+                    ..
+                },
+                Expr::Cmp { op: CmpOp::Neq, .. }
+            ]
+        ));
     }
 }

@@ -6,7 +6,7 @@ use std::net::IpAddr;
 
 use crate::nft::{Chain, ChainHook, ChainType, Command, Hook, Rule, Table};
 
-use super::rule_spec::{Action, Dir, Match, Proto, RuleSpec, jump, port, rule};
+use super::rule_spec::{Action, Dir, IfDir, Match, Proto, RuleSpec, jump, port, rule};
 use super::{DNS_CT_ZONE, MANGLE_TABLE, NAT_TABLE, RAW_TABLE, RedirectPlan};
 use crate::mesh::{
     CONNMARK, DNS_PORT as DNS_CAPTURE_PORT, HBONE_PORT as INBOUND_HBONE_PORT,
@@ -135,6 +135,16 @@ fn not_ztunnel(plan: &RedirectPlan) -> Match {
     }
 }
 
+/// `oifname lo` / `oifname != lo`, bare as in istio-cni's script.
+fn oif_loopback(negate: bool) -> Match {
+    Match::IfName {
+        dir: IfDir::Out,
+        name: LOOPBACK.into(),
+        quote: false,
+        negate,
+    }
+}
+
 fn not_loopback(addr: IpAddr, prefix: u8) -> Match {
     Match::Addr {
         dir: Dir::Dst,
@@ -151,8 +161,30 @@ fn nat_table(plan: &RedirectPlan) -> TableSpec {
         jump(OUTPUT, ISTIO_OUTPUT),
         jump(PREROUTING, ISTIO_PREROUTING),
     ];
-    // Kubelet probes arrive SNATed to the probe address: never capture them.
+    // TCP arriving on a virtual interface (VMs, KubeVirt, DinD) is the pod's own outbound traffic:
+    // straight to ztunnel's outbound port, and nothing else in this chain applies (spec §4.5).
+    for name in &plan.virtual_interfaces {
+        for action in [Action::Redirect(OUTBOUND_PORT), Action::Return] {
+            let iif = IfName {
+                dir: IfDir::In,
+                name: name.as_str().into(),
+                quote: true,
+                negate: false,
+            };
+            rules.push(rule(
+                ISTIO_PREROUTING,
+                vec![iif, L4Proto(Proto::Tcp)],
+                action,
+            ));
+        }
+    }
+    // Kubelet probes arrive SNATed to the probe address: never capture them. In ingress mode the
+    // prerouting accept has no inbound redirect to bypass and is left out, as istio-cni does.
+    let inbound = !plan.bypass_inbound_capture;
     for (dir, chain) in [(Dir::Src, ISTIO_PREROUTING), (Dir::Dst, ISTIO_OUTPUT)] {
+        if chain == ISTIO_PREROUTING && !inbound {
+            continue;
+        }
         for &(probe, _, _) in &fams {
             let addr = Addr {
                 dir,
@@ -163,25 +195,25 @@ fn nat_table(plan: &RedirectPlan) -> TableSpec {
             rules.push(rule(chain, vec![L4Proto(Proto::Tcp), addr], Action::Accept));
         }
     }
-    // Inbound TCP (not to localhost, not HBONE, not from ztunnel) goes to ztunnel's plaintext port.
-    for &(_, lo, len) in &fams {
-        let m = vec![
-            not_loopback(lo, len),
-            port(Proto::Tcp, Dir::Dst, INBOUND_HBONE_PORT, true),
-            not_ztunnel(plan),
-        ];
-        rules.push(rule(
-            ISTIO_PREROUTING,
-            m,
-            Action::Redirect(INBOUND_PLAINTEXT_PORT),
-        ));
+    // Inbound TCP (not to localhost, not HBONE, not from ztunnel) goes to ztunnel's plaintext port;
+    // not in ingress mode (`ambient.istio.io/bypass-inbound-capture`, spec §4.5).
+    if inbound {
+        for &(_, lo, len) in &fams {
+            let m = vec![
+                not_loopback(lo, len),
+                port(Proto::Tcp, Dir::Dst, INBOUND_HBONE_PORT, true),
+                not_ztunnel(plan),
+            ];
+            rules.push(rule(
+                ISTIO_PREROUTING,
+                m,
+                Action::Redirect(INBOUND_PLAINTEXT_PORT),
+            ));
+        }
     }
     if plan.dns_capture {
         let udp = vec![
-            OifName {
-                name: LOOPBACK,
-                negate: true,
-            },
+            oif_loopback(true),
             not_ztunnel(plan),
             port(Proto::Udp, Dir::Dst, DNS_PORT, false),
         ];
@@ -208,13 +240,7 @@ fn nat_table(plan: &RedirectPlan) -> TableSpec {
     ));
     // App to its own non-loopback address via lo: no hairpin through ztunnel.
     for &(_, lo, len) in &fams {
-        let m = vec![
-            OifName {
-                name: LOOPBACK,
-                negate: false,
-            },
-            not_loopback(lo, len),
-        ];
+        let m = vec![oif_loopback(false), not_loopback(lo, len)];
         rules.push(rule(ISTIO_OUTPUT, m, Action::Accept));
     }
     // Outbound TCP from the app goes to ztunnel's outbound port.

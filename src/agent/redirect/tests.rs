@@ -17,82 +17,293 @@ fn istio_golden(name: &str) -> String {
     std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {path}: {e}"))
 }
 
-/// Spelling-insensitive form of an nft script line: single spaces, `&`/`|` as `and`/`or`, and a
-/// bare `mark` (nft's shorthand) written as `meta mark`.
+/// Spelling-insensitive form of an nft script line: single spaces, `&`/`|` as `and`/`or`, a bare
+/// `mark` (nft's shorthand) written as `meta mark`, and names unquoted (`iifname "eth1"` is
+/// `iifname eth1`).
 fn normalize(script: &str) -> Vec<String> {
     script
         .lines()
         .filter(|l| !l.trim().is_empty())
         .map(|line| {
-            let mut out: Vec<&str> = Vec::new();
+            let mut out: Vec<String> = Vec::new();
             for tok in line.split_whitespace() {
                 let tok = match tok {
                     "&" => "and",
                     "|" => "or",
                     t => t,
                 };
-                if tok == "mark" && !matches!(out.last(), Some(&"meta" | &"ct")) {
-                    out.push("meta");
+                if tok == "mark" && !matches!(out.last().map(String::as_str), Some("meta" | "ct")) {
+                    out.push("meta".into());
                 }
-                out.push(tok);
+                out.push(tok.replace('"', ""));
             }
             out.join(" ")
         })
         .collect()
 }
 
-fn plan(ipv6: bool, dns_capture: bool) -> RedirectPlan {
+/// The node-wide plan of istio-cni's unit tests (`constructTestConfig`): its v6 probe address,
+/// global DNS capture `dns`.
+fn node(ipv6: bool, dns: bool) -> RedirectPlan {
     RedirectPlan {
         ipv6,
-        dns_capture,
+        dns_capture: dns,
         probe_v6: ISTIO_TEST_PROBE_V6,
         ..RedirectPlan::default()
     }
 }
 
-#[track_caller]
-fn assert_matches_istio(plan: &RedirectPlan, golden: &str) {
+fn iface(name: &str) -> InterfaceName {
+    InterfaceName::new(name).expect("interface name")
+}
+
+/// istio-cni's in-pod golden cases (`cni/pkg/nftables/common_test.go`
+/// `GetCommonInPodTestCases`): golden stem, global DNS capture, pod options. Each runs with IPv4
+/// only (`<stem>.golden`) and dual stack (`<stem>_ipv6.golden`).
+fn istio_case(stem: &str) -> (bool, PodRedirectOptions) {
+    let virt = || vec![iface("fake1s0f0"), iface("fake1s0f1")];
+    match stem {
+        "default" => (true, PodRedirectOptions::default()),
+        "ingress" => (
+            false,
+            PodRedirectOptions {
+                bypass_inbound_capture: true,
+                ..Default::default()
+            },
+        ),
+        "virtual_interfaces" => (
+            false,
+            PodRedirectOptions {
+                virtual_interfaces: virt(),
+                ..Default::default()
+            },
+        ),
+        "ingress_and_virtual_interfaces" => (
+            false,
+            PodRedirectOptions {
+                bypass_inbound_capture: true,
+                virtual_interfaces: virt(),
+                ..Default::default()
+            },
+        ),
+        "dns_pod_enabled_and_off_globally" => (
+            false,
+            PodRedirectOptions {
+                dns_capture: Some(true),
+                ..Default::default()
+            },
+        ),
+        "dns_pod_disabled_and_on_globally" => (
+            true,
+            PodRedirectOptions {
+                dns_capture: Some(false),
+                ..Default::default()
+            },
+        ),
+        other => panic!("no istio case {other}"),
+    }
+}
+
+const ISTIO_STEMS: [&str; 6] = [
+    "default",
+    "ingress",
+    "virtual_interfaces",
+    "ingress_and_virtual_interfaces",
+    "dns_pod_enabled_and_off_globally",
+    "dns_pod_disabled_and_on_globally",
+];
+
+fn golden_name(stem: &str, ipv6: bool) -> String {
+    if ipv6 {
+        format!("{stem}_ipv6.golden")
+    } else {
+        format!("{stem}.golden")
+    }
+}
+
+/// The pod plan of case `stem`, built the way the agent builds it: node-wide plan + pod options.
+fn istio_plan(stem: &str, ipv6: bool) -> RedirectPlan {
+    let (global_dns, pod) = istio_case(stem);
+    node(ipv6, global_dns).for_pod(&pod)
+}
+
+/// Where `plan`'s script first differs from Istio's `golden` (normalized), if anywhere.
+fn istio_mismatch(plan: &RedirectPlan, golden: &str) -> Option<String> {
     let ours = normalize(&render_script(plan));
     let theirs = normalize(&istio_golden(golden));
     for (i, (a, b)) in ours.iter().zip(&theirs).enumerate() {
-        assert_eq!(a, b, "line {} differs from {golden}", i + 1);
+        if a != b {
+            return Some(format!(
+                "line {} differs from {golden}:\n ours: {a}\n istio: {b}",
+                i + 1
+            ));
+        }
     }
-    assert_eq!(ours.len(), theirs.len(), "line count vs {golden}");
+    (ours.len() != theirs.len())
+        .then(|| format!("{} lines, {golden} has {}", ours.len(), theirs.len()))
+}
+
+#[track_caller]
+fn assert_matches_istio(plan: &RedirectPlan, golden: &str) {
+    if let Some(diff) = istio_mismatch(plan, golden) {
+        panic!("{diff}");
+    }
+}
+
+#[track_caller]
+fn assert_istio_case(stem: &str, ipv6: bool) {
+    assert_matches_istio(&istio_plan(stem, ipv6), &golden_name(stem, ipv6));
 }
 
 #[test]
-fn v4_with_dns_matches_istio_default() {
-    assert_matches_istio(&plan(false, true), "default.golden");
+fn default_matches_istio() {
+    assert_istio_case("default", false);
 }
 
 #[test]
-fn v4_v6_with_dns_matches_istio_default_ipv6() {
-    assert_matches_istio(&plan(true, true), "default_ipv6.golden");
+fn default_ipv6_matches_istio() {
+    assert_istio_case("default", true);
 }
 
 #[test]
-fn v4_without_dns_matches_istio_dns_disabled() {
+fn ingress_matches_istio() {
+    assert_istio_case("ingress", false);
+}
+
+#[test]
+fn ingress_ipv6_matches_istio() {
+    assert_istio_case("ingress", true);
+}
+
+#[test]
+fn virtual_interfaces_matches_istio() {
+    assert_istio_case("virtual_interfaces", false);
+}
+
+#[test]
+fn virtual_interfaces_ipv6_matches_istio() {
+    assert_istio_case("virtual_interfaces", true);
+}
+
+#[test]
+fn ingress_and_virtual_interfaces_matches_istio() {
+    assert_istio_case("ingress_and_virtual_interfaces", false);
+}
+
+#[test]
+fn ingress_and_virtual_interfaces_ipv6_matches_istio() {
+    assert_istio_case("ingress_and_virtual_interfaces", true);
+}
+
+#[test]
+fn dns_pod_enabled_and_off_globally_matches_istio() {
+    assert_istio_case("dns_pod_enabled_and_off_globally", false);
+}
+
+#[test]
+fn dns_pod_enabled_and_off_globally_ipv6_matches_istio() {
+    assert_istio_case("dns_pod_enabled_and_off_globally", true);
+}
+
+#[test]
+fn dns_pod_disabled_and_on_globally_matches_istio() {
+    assert_istio_case("dns_pod_disabled_and_on_globally", false);
+}
+
+#[test]
+fn dns_pod_disabled_and_on_globally_ipv6_matches_istio() {
+    assert_istio_case("dns_pod_disabled_and_on_globally", true);
+}
+
+#[test]
+fn plain_node_plans_match_istio_dns_goldens() {
+    // Without per-pod options the node-wide plan itself is what a pod gets.
+    assert_matches_istio(&node(false, true), "default.golden");
+    assert_matches_istio(&node(true, true), "default_ipv6.golden");
     assert_matches_istio(
-        &plan(false, false),
+        &node(false, false),
         "dns_pod_disabled_and_on_globally.golden",
     );
+    assert_matches_istio(
+        &node(true, false),
+        "dns_pod_disabled_and_on_globally_ipv6.golden",
+    );
+}
+
+/// Each case's golden is matched by its own options and by no other case's (so every test above
+/// can fail), except where Istio's goldens are identical: a pod turning DNS on equals the default.
+#[test]
+fn each_istio_golden_is_matched_only_by_its_own_options() {
+    let same = |a: &str, b: &str| {
+        let pair = [a, b];
+        a == b || pair.contains(&"default") && pair.contains(&"dns_pod_enabled_and_off_globally")
+    };
+    for ipv6 in [false, true] {
+        for golden in ISTIO_STEMS {
+            for opts in ISTIO_STEMS {
+                let mismatch = istio_mismatch(&istio_plan(opts, ipv6), &golden_name(golden, ipv6));
+                assert_eq!(
+                    mismatch.is_none(),
+                    same(golden, opts),
+                    "options of {opts} vs {golden} (ipv6 {ipv6}): {mismatch:?}"
+                );
+            }
+            // The other IP family never matches.
+            let other = istio_mismatch(&istio_plan(golden, !ipv6), &golden_name(golden, ipv6));
+            assert!(
+                other.is_some(),
+                "{golden} ipv6={ipv6} matched with ipv6={}",
+                !ipv6
+            );
+        }
+    }
 }
 
 #[test]
-fn v4_v6_without_dns_matches_istio_dns_disabled_ipv6() {
-    assert_matches_istio(
-        &plan(true, false),
-        "dns_pod_disabled_and_on_globally_ipv6.golden",
+fn virtual_interface_rules_come_first_in_order_and_quoted() {
+    let s = render_script(&istio_plan("virtual_interfaces", false));
+    let pre: Vec<&str> = s
+        .lines()
+        .filter(|l| l.starts_with("add rule inet istio-ambient-nat istio-prerouting"))
+        .collect();
+    assert_eq!(
+        pre[..4],
+        [
+            "add rule inet istio-ambient-nat istio-prerouting iifname \"fake1s0f0\" meta l4proto tcp counter redirect to :15001",
+            "add rule inet istio-ambient-nat istio-prerouting iifname \"fake1s0f0\" meta l4proto tcp counter return",
+            "add rule inet istio-ambient-nat istio-prerouting iifname \"fake1s0f1\" meta l4proto tcp counter redirect to :15001",
+            "add rule inet istio-ambient-nat istio-prerouting iifname \"fake1s0f1\" meta l4proto tcp counter return",
+        ]
     );
+    assert!(
+        !s.contains("istio-ambient-mangle istio-prerouting iifname"),
+        "{s}"
+    );
+}
+
+#[test]
+fn ingress_mode_keeps_dns_capture_when_it_is_on() {
+    let pod = PodRedirectOptions {
+        bypass_inbound_capture: true,
+        ..Default::default()
+    };
+    let s = render_script(&node(false, true).for_pod(&pod));
+    assert!(!s.contains(":15006"), "{s}");
+    assert!(!s.contains("ip saddr"), "{s}");
+    assert!(s.contains("udp dport 53 counter redirect to :15053"), "{s}");
+    assert!(s.contains("add table inet istio-ambient-raw"), "{s}");
 }
 
 #[test]
 fn normalize_unifies_mark_spellings() {
     assert_eq!(
-        normalize("x mark and 0xfff  != 0x539\ny meta mark & 0xfff == 1 ct mark | 2"),
+        normalize(
+            "x mark and 0xfff  != 0x539\ny meta mark & 0xfff == 1 ct mark | 2\niifname \"a\""
+        ),
         [
             "x meta mark and 0xfff != 0x539",
-            "y meta mark and 0xfff == 1 ct mark or 2"
+            "y meta mark and 0xfff == 1 ct mark or 2",
+            "iifname a"
         ]
     );
 }
@@ -110,10 +321,10 @@ fn default_plan_uses_istio_probe_addresses() {
 
 #[test]
 fn the_proxy_mark_comes_from_the_plan_everywhere_the_default_one_was() {
-    let default = render_script(&plan(true, true));
+    let default = render_script(&node(true, true));
     let p = RedirectPlan {
         proxy_mark: crate::mesh::PacketMark::new(0x540).expect("mark"),
-        ..plan(true, true)
+        ..node(true, true)
     };
     let s = render_script(&p);
     assert!(!s.contains("0x539"), "{s}");
@@ -125,7 +336,7 @@ fn the_proxy_mark_comes_from_the_plan_everywhere_the_default_one_was() {
 fn probe_addresses_come_from_the_plan() {
     let p = RedirectPlan {
         probe_v4: "10.9.8.7".parse().expect("v4"),
-        ..plan(true, false)
+        ..node(true, false)
     };
     let s = render_script(&p);
     assert!(s.contains("ip saddr 10.9.8.7 counter accept"), "{s}");
@@ -138,7 +349,7 @@ fn probe_addresses_come_from_the_plan() {
 
 #[test]
 fn dns_off_batch_removes_raw_table() {
-    let shown: Vec<String> = apply_batch(&plan(false, false))
+    let shown: Vec<String> = apply_batch(&node(false, false))
         .commands()
         .iter()
         .map(ToString::to_string)
