@@ -8,6 +8,7 @@
 
 pub mod enroll;
 pub mod install;
+pub mod kube;
 pub mod pods;
 pub mod proxy_link;
 pub mod redirect;
