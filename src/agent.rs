@@ -1,7 +1,7 @@
 //! The node agent role: self-install onto the host ([`install`]), the plugin event server
-//! ([`server`]), enrollment decisions ([`enroll`]), in-pod redirection ([`redirect`]), the pod
-//! lifecycle that ties them together ([`pods`]) and the link that hands each enrolled pod's netns
-//! to the proxy ([`proxy_link`]).
+//! ([`server`]), enrollment decisions ([`enroll`]), finding a pod's netns from procfs
+//! ([`netns_finder`]), in-pod redirection ([`redirect`]), the pod lifecycle that ties them together
+//! ([`pods`]) and the link that hands each enrolled pod's netns to the proxy ([`proxy_link`]).
 //!
 //! [`start`] is the role's front door: it takes the enrollment policy, the link to the proxy and
 //! a shutdown future, and leaves the rest (which policy, which transport) to the caller.
@@ -9,6 +9,7 @@
 pub mod enroll;
 pub mod install;
 pub mod kube;
+pub mod netns_finder;
 pub mod pods;
 pub mod proxy_link;
 pub mod redirect;

@@ -135,17 +135,17 @@ mod tests {
     async fn an_unreadable_kubeconfig_is_a_clear_error() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("missing");
-        let err = client(&KubeAccess::Kubeconfig(path.clone()))
-            .await
-            .expect_err("missing file");
+        let Err(err) = client(&KubeAccess::Kubeconfig(path.clone())).await else {
+            panic!("a missing kubeconfig must fail");
+        };
         assert!(
             err.to_string().contains(&path.display().to_string()),
             "{err}"
         );
         std::fs::write(&path, "not: [yaml").expect("write");
-        let err = client(&KubeAccess::Kubeconfig(path.clone()))
-            .await
-            .expect_err("bad yaml");
+        let Err(err) = client(&KubeAccess::Kubeconfig(path.clone())).await else {
+            panic!("a malformed kubeconfig must fail");
+        };
         assert!(err.to_string().starts_with("kubeconfig "), "{err}");
     }
 }
