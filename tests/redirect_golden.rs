@@ -19,8 +19,9 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
+use ztnode::agent::enroll::{InterfaceName, PodOptions};
 use ztnode::agent::pods::{NftRules, RuleApplier};
-use ztnode::agent::redirect::{self, InterfaceName, PodRedirectOptions, RedirectPlan};
+use ztnode::agent::redirect::{self, RedirectPlan};
 use ztnode::netns::Netns;
 
 /// A named network namespace deleted on drop.
@@ -104,11 +105,11 @@ fn privileged() -> bool {
 struct Case {
     name: &'static str,
     node: RedirectPlan,
-    pod: PodRedirectOptions,
+    pod: PodOptions,
     plan: RedirectPlan,
 }
 
-fn pod_case(name: &'static str, ipv6: bool, dns_capture: bool, pod: PodRedirectOptions) -> Case {
+fn pod_case(name: &'static str, ipv6: bool, dns_capture: bool, pod: PodOptions) -> Case {
     let node = RedirectPlan {
         ipv6,
         dns_capture,
@@ -123,23 +124,23 @@ fn pod_case(name: &'static str, ipv6: bool, dns_capture: bool, pod: PodRedirectO
 }
 
 fn case(name: &'static str, ipv6: bool, dns_capture: bool) -> Case {
-    pod_case(name, ipv6, dns_capture, PodRedirectOptions::default())
+    pod_case(name, ipv6, dns_capture, PodOptions::default())
 }
 
-fn ingress_mode() -> PodRedirectOptions {
-    PodRedirectOptions {
+fn ingress_mode() -> PodOptions {
+    PodOptions {
         bypass_inbound_capture: true,
         ..Default::default()
     }
 }
 
-fn virtual_interfaces(names: &[&str]) -> Result<PodRedirectOptions> {
+fn virtual_interfaces(names: &[&str]) -> Result<PodOptions> {
     let names = names
         .iter()
         .map(|n| InterfaceName::new(n))
         .collect::<Result<_, _>>()?;
-    Ok(PodRedirectOptions {
-        virtual_interfaces: names,
+    Ok(PodOptions {
+        reroute_virtual_interfaces: names,
         ..Default::default()
     })
 }

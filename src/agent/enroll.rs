@@ -36,7 +36,8 @@ pub use facts::{
     REROUTE_VIRTUAL_INTERFACES_ANNOTATION, SIDECAR_STATUS_ANNOTATION,
 };
 pub use options::{
-    AnnotationWarning, InterfaceName, MAX_INTERFACE_NAME_LEN, PodOptions, parse_go_bool,
+    AnnotationWarning, InterfaceName, InterfaceNameError, MAX_INTERFACE_NAME_LEN, PodOptions,
+    parse_go_bool,
 };
 pub use rules::{
     DEFAULT_OWN_NAMESPACE, Decision, ENV_EXCLUDE_NAMESPACES, ENV_POD_NAMESPACE, EnrollmentRules,

@@ -6,14 +6,12 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::str::FromStr;
 
 use super::facts::{
     BYPASS_INBOUND_CAPTURE_ANNOTATION, DNS_CAPTURE_ANNOTATION,
     REROUTE_VIRTUAL_INTERFACES_ANNOTATION,
 };
-
-/// Longest Linux interface name (`IFNAMSIZ - 1`).
-pub const MAX_INTERFACE_NAME_LEN: usize = 15;
 
 /// The options of one enrolled pod.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -30,11 +28,6 @@ pub struct PodOptions {
     /// Annotation values that were ignored, and why.
     pub warnings: Vec<AnnotationWarning>,
 }
-
-/// A Linux interface name: 1 to 15 bytes, no `/`, `:` or whitespace, not `.` or `..` (the
-/// kernel's `dev_valid_name`).
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct InterfaceName(String);
 
 /// An annotation value that was ignored.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -65,11 +58,11 @@ impl PodOptions {
         if let Some(list) = annotations.get(REROUTE_VIRTUAL_INTERFACES_ANNOTATION) {
             for item in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
                 match InterfaceName::new(item) {
-                    Some(name) => opts.reroute_virtual_interfaces.push(name),
-                    None => opts.warnings.push(AnnotationWarning {
+                    Ok(name) => opts.reroute_virtual_interfaces.push(name),
+                    Err(_) => opts.warnings.push(AnnotationWarning {
                         annotation: REROUTE_VIRTUAL_INTERFACES_ANNOTATION,
                         value: item.to_owned(),
-                        expected: "a Linux interface name (1-15 bytes, no '/', ':' or whitespace)",
+                        expected: "an interface name (1-15 bytes of A-Z a-z 0-9 - _ . @)",
                     }),
                 }
             }
@@ -111,17 +104,78 @@ pub fn parse_go_bool(s: &str) -> Option<bool> {
 
 // === impl InterfaceName ===
 
+/// Longest interface name Linux accepts (`IFNAMSIZ` 16, minus the terminating NUL).
+pub const MAX_INTERFACE_NAME_LEN: usize = 15;
+
+/// A network interface name as the kernel (and an nf_tables `iifname` match) sees it: 1 to 15
+/// bytes of ASCII letters, digits, `-`, `_`, `.` or `@`, and not `.` or `..`.
+///
+/// Stricter than Linux's `dev_valid_name`: characters that `nft` would read as syntax inside a
+/// quoted name (`"`, `\`, a `*` wildcard) or that rarely appear in pod interface names are refused,
+/// so the rule we program and the script we print (`redirect::render_script`) always mean the same
+/// exact-name match.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct InterfaceName(String);
+
+/// Why a string is not an [`InterfaceName`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InterfaceNameError {
+    /// The name is empty.
+    #[error("empty interface name")]
+    Empty,
+    /// The name is longer than [`MAX_INTERFACE_NAME_LEN`] bytes.
+    #[error("interface name {name:?} is {len} bytes, at most {MAX_INTERFACE_NAME_LEN} allowed")]
+    TooLong {
+        /// The rejected name.
+        name: String,
+        /// Its length in bytes.
+        len: usize,
+    },
+    /// The name is `.` or `..`, which Linux refuses.
+    #[error("interface name {name:?} is reserved")]
+    Reserved {
+        /// The rejected name.
+        name: String,
+    },
+    /// The name contains a character outside `A-Z a-z 0-9 - _ . @`.
+    #[error("interface name {name:?} contains {ch:?}")]
+    InvalidChar {
+        /// The rejected name.
+        name: String,
+        /// The first offending character.
+        ch: char,
+    },
+}
+
 impl InterfaceName {
-    /// `Some` when `name` is a valid Linux interface name (see the type's docs).
-    pub fn new(name: &str) -> Option<InterfaceName> {
-        let valid = !name.is_empty()
-            && name.len() <= MAX_INTERFACE_NAME_LEN
-            && name != "."
-            && name != ".."
-            && !name
-                .chars()
-                .any(|c| c == '/' || c == ':' || c.is_whitespace());
-        valid.then(|| InterfaceName(name.to_owned()))
+    /// Checks `name` (see [`InterfaceName`] for the rules).
+    ///
+    /// Errors: [`InterfaceNameError`] saying which rule `name` breaks.
+    pub fn new(name: &str) -> Result<InterfaceName, InterfaceNameError> {
+        if name.is_empty() {
+            return Err(InterfaceNameError::Empty);
+        }
+        if let Some(ch) = name
+            .chars()
+            .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '@')))
+        {
+            return Err(InterfaceNameError::InvalidChar {
+                name: name.to_owned(),
+                ch,
+            });
+        }
+        if name.len() > MAX_INTERFACE_NAME_LEN {
+            return Err(InterfaceNameError::TooLong {
+                name: name.to_owned(),
+                len: name.len(),
+            });
+        }
+        if name == "." || name == ".." {
+            return Err(InterfaceNameError::Reserved {
+                name: name.to_owned(),
+            });
+        }
+        Ok(InterfaceName(name.to_owned()))
     }
 
     /// The name.
@@ -130,9 +184,24 @@ impl InterfaceName {
     }
 }
 
+impl FromStr for InterfaceName {
+    type Err = InterfaceNameError;
+
+    /// Same as [`InterfaceName::new`].
+    fn from_str(s: &str) -> Result<InterfaceName, InterfaceNameError> {
+        InterfaceName::new(s)
+    }
+}
+
 impl fmt::Display for InterfaceName {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.0)
+    }
+}
+
+impl AsRef<str> for InterfaceName {
+    fn as_ref(&self) -> &str {
+        &self.0
     }
 }
 
@@ -145,5 +214,65 @@ impl fmt::Display for AnnotationWarning {
             "annotation {}={:?} ignored: expected {}",
             self.annotation, self.value, self.expected
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn name(s: &str) -> InterfaceName {
+        InterfaceName::new(s).expect("valid name")
+    }
+
+    #[test]
+    fn interface_names_follow_linux_and_nft_rules() {
+        for ok in [
+            "eth0",
+            "fake1s0f0",
+            "k6t-eth0",
+            "net1.100",
+            "tap_0",
+            "a",
+            "x@y",
+            "0abc",
+        ] {
+            assert_eq!(name(ok).as_str(), ok);
+        }
+        assert_eq!(
+            name("123456789012345").as_str().len(),
+            MAX_INTERFACE_NAME_LEN
+        );
+        assert_eq!(InterfaceName::new(""), Err(InterfaceNameError::Empty));
+        assert!(matches!(
+            InterfaceName::new("1234567890123456"),
+            Err(InterfaceNameError::TooLong { len: 16, .. })
+        ));
+        for reserved in [".", ".."] {
+            assert!(matches!(
+                InterfaceName::new(reserved),
+                Err(InterfaceNameError::Reserved { .. })
+            ));
+        }
+        for (bad, ch) in [
+            ("eth 0", ' '),
+            ("eth*", '*'),
+            ("a\"b", '"'),
+            ("a/b", '/'),
+            ("a:b", ':'),
+            ("a\\b", '\\'),
+            ("ethé", 'é'),
+        ] {
+            assert_eq!(
+                InterfaceName::new(bad),
+                Err(InterfaceNameError::InvalidChar {
+                    name: bad.to_owned(),
+                    ch
+                }),
+                "{bad}"
+            );
+        }
+        assert_eq!("eth1".parse::<InterfaceName>(), Ok(name("eth1")));
+        assert_eq!(name("eth1").to_string(), "eth1");
     }
 }

@@ -27,7 +27,7 @@ impl RuleApplier for FakeRules {
     fn apply_for_pod(
         &self,
         _netns: &Netns,
-        _pod: &redirect::PodRedirectOptions,
+        _pod: &crate::agent::enroll::PodOptions,
     ) -> Result<(), redirect::RedirectError> {
         self.calls.lock().expect("calls").push("apply");
         Ok(())

@@ -3,6 +3,7 @@
 use std::net::Ipv6Addr;
 
 use super::*;
+use crate::agent::enroll::{InterfaceName, PodOptions};
 
 /// The v6 probe address istio-cni's unit tests use in `*_ipv6.golden`.
 const ISTIO_TEST_PROBE_V6: Ipv6Addr = Ipv6Addr::new(
@@ -60,43 +61,43 @@ fn iface(name: &str) -> InterfaceName {
 /// istio-cni's in-pod golden cases (`cni/pkg/nftables/common_test.go`
 /// `GetCommonInPodTestCases`): golden stem, global DNS capture, pod options. Each runs with IPv4
 /// only (`<stem>.golden`) and dual stack (`<stem>_ipv6.golden`).
-fn istio_case(stem: &str) -> (bool, PodRedirectOptions) {
+fn istio_case(stem: &str) -> (bool, PodOptions) {
     let virt = || vec![iface("fake1s0f0"), iface("fake1s0f1")];
     match stem {
-        "default" => (true, PodRedirectOptions::default()),
+        "default" => (true, PodOptions::default()),
         "ingress" => (
             false,
-            PodRedirectOptions {
+            PodOptions {
                 bypass_inbound_capture: true,
                 ..Default::default()
             },
         ),
         "virtual_interfaces" => (
             false,
-            PodRedirectOptions {
-                virtual_interfaces: virt(),
+            PodOptions {
+                reroute_virtual_interfaces: virt(),
                 ..Default::default()
             },
         ),
         "ingress_and_virtual_interfaces" => (
             false,
-            PodRedirectOptions {
+            PodOptions {
                 bypass_inbound_capture: true,
-                virtual_interfaces: virt(),
+                reroute_virtual_interfaces: virt(),
                 ..Default::default()
             },
         ),
         "dns_pod_enabled_and_off_globally" => (
             false,
-            PodRedirectOptions {
-                dns_capture: Some(true),
+            PodOptions {
+                dns_capture_override: Some(true),
                 ..Default::default()
             },
         ),
         "dns_pod_disabled_and_on_globally" => (
             true,
-            PodRedirectOptions {
-                dns_capture: Some(false),
+            PodOptions {
+                dns_capture_override: Some(false),
                 ..Default::default()
             },
         ),
@@ -283,7 +284,7 @@ fn virtual_interface_rules_come_first_in_order_and_quoted() {
 
 #[test]
 fn ingress_mode_keeps_dns_capture_when_it_is_on() {
-    let pod = PodRedirectOptions {
+    let pod = PodOptions {
         bypass_inbound_capture: true,
         ..Default::default()
     };
