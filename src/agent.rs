@@ -24,6 +24,7 @@ use tokio::task::JoinHandle;
 
 use crate::podevent::plugin_socket_path;
 use crate::ready::{self, Readiness};
+use crate::runtime::stopped;
 use enroll::EnrollmentPolicy;
 use install::InstallConfig;
 use pods::{PodError, PodManager};
@@ -125,9 +126,4 @@ impl Agent {
         let _ = self.server_task.await;
         let _ = std::fs::remove_file(&self.sock_path);
     }
-}
-
-/// Resolves once `rx` turns true (or its sender is gone).
-async fn stopped(mut rx: watch::Receiver<bool>) {
-    let _ = rx.wait_for(|s| *s).await;
 }

@@ -10,9 +10,9 @@
 pub mod bench;
 pub mod cnichain;
 pub mod demo;
-mod mesh;
+mod mesh_lab;
 mod node;
 pub mod pcap;
 
-pub use mesh::{MeshLab, MeshSpec, MeshStage};
+pub use mesh_lab::{MeshLab, MeshSpec, MeshStage};
 pub use node::{Lab, LabError, LabOptions, Pod, ProcessGuard, local_config};

@@ -69,7 +69,7 @@ struct ProxyOpts {
     #[arg(long)]
     ca_dir: Option<PathBuf>,
     /// Workload certificate lifetime, seconds.
-    #[arg(long, env = "SECRET_TTL_SECONDS", default_value_t = 86400)]
+    #[arg(long, env = "SECRET_TTL_SECONDS", default_value_t = ztnode::proxy::identity::DEFAULT_CERT_LIFETIME.as_secs())]
     cert_lifetime_secs: u64,
     /// Admin address (`/config_dump`).
     #[arg(long, default_value_t = mesh::DEFAULT_ADMIN_ADDR)]
@@ -225,6 +225,7 @@ fn run(cmd: Cmd) -> anyhow::Result<i32> {
         }
         Cmd::Proxy(p) => {
             runtime::init_tracing();
+            runtime::raise_nofile_limit();
             let cfg = proxy_config(&p.proxy, &p.mesh, &p.run_dir);
             runtime::build()?.block_on(ztnode::node::run_proxy(
                 p.config,

@@ -65,7 +65,7 @@ pub const DEFAULT_EXCLUDED_NAMESPACES: &[&str] = &["kube-system"];
 ///
 /// Default `0x539` (1337, ztunnel's `PACKET_MARK`, Istio's `InpodMark`). It must be non-zero, fit in
 /// [`MARK_MASK`] (the rules compare `mark & 0xfff`) and differ from [`CONNMARK`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct PacketMark(u32);
 
 /// Why a packet mark was refused.
@@ -111,6 +111,13 @@ impl PacketMark {
 impl Default for PacketMark {
     fn default() -> PacketMark {
         PacketMark::DEFAULT
+    }
+}
+
+impl fmt::Debug for PacketMark {
+    /// Hex, as the CLI and the rules spell it: `PacketMark(0x539)`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "PacketMark({:#x})", self.0)
     }
 }
 

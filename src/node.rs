@@ -27,6 +27,7 @@ use crate::proxy::manager::ProxyManager;
 use crate::proxy::state::{self, Protocol, StateHandle};
 use crate::proxy::{self, ProxyConfig};
 use crate::ready::Readiness;
+use crate::runtime::stopped;
 use crate::zds::server::ZdsServer;
 use crate::zds::{self, WorkloadInfo};
 
@@ -57,6 +58,12 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<()> {
     tracing::info!(?cfg, "starting ztnode node");
+    anyhow::ensure!(
+        cfg.agent.redirect.proxy_mark == cfg.proxy.packet_mark,
+        "the in-pod rules must exclude the proxy's packet mark: rules {}, proxy {}",
+        cfg.agent.redirect.proxy_mark,
+        cfg.proxy.packet_mark
+    );
     let ready = Readiness::new();
     let state = load_state(&cfg.config, &ready)?;
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -200,9 +207,4 @@ async fn serve_admin(
         stop,
     )
     .await
-}
-
-/// Resolves once `rx` turns true (or its sender is gone).
-async fn stopped(mut rx: watch::Receiver<bool>) {
-    let _ = rx.wait_for(|s| *s).await;
 }

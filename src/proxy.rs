@@ -72,7 +72,7 @@ impl ProxyConfig {
     pub fn new(ca_dir: PathBuf) -> ProxyConfig {
         ProxyConfig {
             ca_dir,
-            cert_lifetime: Duration::from_secs(86400),
+            cert_lifetime: identity::DEFAULT_CERT_LIFETIME,
             packet_mark: PacketMark::DEFAULT,
             admin_addr: mesh::DEFAULT_ADMIN_ADDR,
             readiness_addr: mesh::DEFAULT_READINESS_ADDR,

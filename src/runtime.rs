@@ -48,6 +48,12 @@ pub async fn shutdown_signal() {
     }
 }
 
+/// Resolves once `rx` turns true (or its sender is gone): the shutdown future each background
+/// task of a role gets from one `watch` channel.
+pub async fn stopped(mut rx: tokio::sync::watch::Receiver<bool>) {
+    let _ = rx.wait_for(|s| *s).await;
+}
+
 /// Data-plane worker threads: `ZTUNNEL_WORKER_THREADS` (ztunnel's name), default
 /// [`DEFAULT_WORKER_THREADS`].
 pub fn worker_threads() -> usize {

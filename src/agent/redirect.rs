@@ -31,7 +31,9 @@ mod tests;
 use std::net::{Ipv4Addr, Ipv6Addr};
 
 use crate::agent::enroll::InterfaceName;
-use crate::mesh::{DEFAULT_PROBE_V4, DEFAULT_PROBE_V6, PacketMark};
+use crate::mesh::{
+    CONNMARK, DEFAULT_PROBE_V4, DEFAULT_PROBE_V6, MARK_MASK, PacketMark, ROUTE_TABLE,
+};
 use crate::netns::{Netns, NetnsError};
 use crate::nft::{self, Batch, Command, NftError, Table};
 
@@ -106,7 +108,9 @@ pub enum RedirectError {
         source: rtnetlink::Error,
     },
     /// Adding or deleting `fwmark 0x111/0xfff lookup 100 pref 32764` failed.
-    #[error("{op} {family} rule fwmark 0x111/0xfff lookup 100: {source}")]
+    #[error(
+        "{op} {family} rule fwmark {CONNMARK:#x}/{MARK_MASK:#x} lookup {ROUTE_TABLE}: {source}"
+    )]
     Rule {
         /// `add` or `delete`.
         op: &'static str,
@@ -117,7 +121,7 @@ pub enum RedirectError {
         source: rtnetlink::Error,
     },
     /// Replacing or deleting the local default route in table 100 failed.
-    #[error("{op} {family} local default route in table 100: {source}")]
+    #[error("{op} {family} local default route in table {ROUTE_TABLE}: {source}")]
     Route {
         /// `replace` or `delete`.
         op: &'static str,

@@ -15,7 +15,7 @@ use std::process::Command;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use super::mesh::{MeshLab, MeshSpec, MeshStage};
+use super::mesh_lab::{MeshLab, MeshSpec, MeshStage};
 use super::node::{Lab, LabOptions, Pod, ProcessGuard};
 use crate::mesh::HBONE_PORT;
 use crate::netns::Netns;
@@ -47,7 +47,9 @@ pub fn run(verbose: bool) -> i32 {
     install_interrupt_cleanup();
     match run_inner(verbose) {
         Ok(()) => {
-            println!("\nDemo passed: the pods talked over HBONE (mTLS + HTTP/2 CONNECT on 15008).");
+            println!(
+                "\nDemo passed: the pods talked over HBONE (mTLS + HTTP/2 CONNECT on {HBONE_PORT})."
+            );
             0
         }
         Err(e) => {
@@ -227,7 +229,7 @@ fn show_redirection(client: &Pod, verbose: bool) -> anyhow::Result<()> {
             let text = String::from_utf8_lossy(&out.stdout);
             let tables: Vec<_> = text.lines().filter(|l| l.starts_with("table")).collect();
             anyhow::ensure!(
-                text.contains("redirect to :15001"),
+                text.contains(&format!("redirect to :{}", crate::mesh::OUTBOUND_PORT)),
                 "no outbound redirect in the client pod"
             );
             for t in tables {
@@ -335,7 +337,7 @@ fn bridge_capture(pcap: &Path, client_ip: IpAddr, server_ip: IpAddr) -> anyhow::
         data.len(),
         pcap.display()
     );
-    let all_15008 = between
+    let all_hbone = between
         .iter()
         .all(|s| s.src_port == HBONE_PORT || s.dst_port == HBONE_PORT);
     let clear = between
@@ -347,8 +349,8 @@ fn bridge_capture(pcap: &Path, client_ip: IpAddr, server_ip: IpAddr) -> anyhow::
         .count();
     let bytes: usize = between.iter().map(|s| s.payload.len()).sum();
     anyhow::ensure!(
-        all_15008,
-        "some packets between the pods did not use port 15008"
+        all_hbone,
+        "some packets between the pods did not use port {HBONE_PORT}"
     );
     anyhow::ensure!(!clear, "the message crossed the bridge in clear text");
     anyhow::ensure!(
@@ -356,7 +358,7 @@ fn bridge_capture(pcap: &Path, client_ip: IpAddr, server_ip: IpAddr) -> anyhow::
         "no TLS application-data records on the bridge"
     );
     Ok(format!(
-        "bridge capture: {} TCP segments between the pods, all on port 15008, {} TLS records, {} payload bytes, message not visible in clear",
+        "bridge capture: {} TCP segments between the pods, all on port {HBONE_PORT}, {} TLS records, {} payload bytes, message not visible in clear",
         between.len(),
         tls_records,
         bytes

@@ -20,8 +20,9 @@ use crate::netns::{Netns, NetnsError};
 pub enum LabError {
     /// The reference plugins are missing.
     #[error(
-        "the reference CNI plugins (bridge, host-local) were not found in /usr/lib/cni or /opt/cni/bin; \
-         install Debian's `containernetworking-plugins` package"
+        "the reference CNI plugins (bridge, host-local) were not found in {:?}; \
+         install Debian's `containernetworking-plugins` package",
+        cnichain::REFERENCE_PLUGIN_DIRS
     )]
     NoReferencePlugins,
     /// An `ip` command failed.

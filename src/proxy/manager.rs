@@ -215,7 +215,7 @@ impl ProxyManager {
             span,
         ))
         .abort_handle();
-        tracing::info!(%uid, %identity, netns = %netns.id(), "pod proxy listening on 15001, 15006, 15008");
+        tracing::info!(%uid, %identity, netns = %netns.id(), ports = ?[OUTBOUND_PORT, INBOUND_PLAINTEXT_PORT, HBONE_PORT], "pod proxy listening");
         let status = PodStatus {
             info,
             state: "Up",

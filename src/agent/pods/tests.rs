@@ -1,5 +1,5 @@
 //! The pod lifecycle without privileges: a recording [`RuleApplier`], a fake proxy behind
-//! [`zds::channel`] that acks everything, and the test process's own netns (`/proc/self/ns/net`)
+//! [`zds::in_process`] that acks everything, and the test process's own netns (`/proc/self/ns/net`)
 //! standing in for pod namespaces.
 
 use std::os::unix::fs::PermissionsExt;

@@ -20,7 +20,8 @@ const ISTIO_PREROUTING: &str = "istio-prerouting";
 const ISTIO_OUTPUT: &str = "istio-output";
 
 const LOOPBACK: &str = "lo";
-const DNS_PORT: u16 = 53;
+/// The port DNS servers answer on (what DNS capture redirects).
+const DNS_SERVICE_PORT: u16 = 53;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct TableSpec {
@@ -215,13 +216,13 @@ fn nat_table(plan: &RedirectPlan) -> TableSpec {
         let udp = vec![
             oif_loopback(true),
             not_ztunnel(plan),
-            port(Proto::Udp, Dir::Dst, DNS_PORT, false),
+            port(Proto::Udp, Dir::Dst, DNS_SERVICE_PORT, false),
         ];
         rules.push(rule(ISTIO_OUTPUT, udp, Action::Redirect(DNS_CAPTURE_PORT)));
         for &(_, lo, len) in &fams {
             let tcp = vec![
                 not_loopback(lo, len),
-                port(Proto::Tcp, Dir::Dst, DNS_PORT, false),
+                port(Proto::Tcp, Dir::Dst, DNS_SERVICE_PORT, false),
                 not_ztunnel(plan),
             ];
             rules.push(rule(ISTIO_OUTPUT, tcp, Action::Redirect(DNS_CAPTURE_PORT)));
@@ -313,12 +314,18 @@ fn raw_table(plan: &RedirectPlan) -> TableSpec {
             // so they do not clash with the app's redirected DNS flows (istio#33469).
             rule(
                 ISTIO_OUTPUT,
-                vec![port(Proto::Udp, Dir::Dst, DNS_PORT, false), mark(false)],
+                vec![
+                    port(Proto::Udp, Dir::Dst, DNS_SERVICE_PORT, false),
+                    mark(false),
+                ],
                 Action::CtZoneSet(DNS_CT_ZONE),
             ),
             rule(
                 ISTIO_PREROUTING,
-                vec![port(Proto::Udp, Dir::Src, DNS_PORT, false), mark(true)],
+                vec![
+                    port(Proto::Udp, Dir::Src, DNS_SERVICE_PORT, false),
+                    mark(true),
+                ],
                 Action::CtZoneSet(DNS_CT_ZONE),
             ),
         ],

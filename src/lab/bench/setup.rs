@@ -6,7 +6,7 @@ use std::process::Command;
 
 use super::measure::settle_rss;
 use super::options::{BenchOptions, Section};
-use crate::lab::mesh::{MeshLab, MeshSpec, MeshStage};
+use crate::lab::mesh_lab::{MeshLab, MeshSpec, MeshStage};
 use crate::lab::node::{LabError, LabOptions, Pod};
 
 const SUBNET: &str = "10.250.0.0/16";
