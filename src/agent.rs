@@ -26,7 +26,12 @@ use crate::podevent::plugin_socket_path;
 use crate::ready::{self, Readiness};
 use crate::runtime::stopped;
 use enroll::EnrollmentPolicy;
+use enroll::EnrollmentRules;
 use install::InstallConfig;
+use kube::policy::KubePolicy;
+use kube::reconcile::Reconciler;
+use kube::watch::Watches;
+use kube::{KubeError, KubeSettings};
 use pods::{PodError, PodManager};
 use proxy_link::WorkloadSink;
 use redirect::RedirectPlan;
@@ -35,6 +40,29 @@ use redirect::RedirectPlan;
 pub const PLUGIN_SOCKET_TASK: &str = "plugin socket";
 /// Readiness task of the CNI plugin install (pending while the plugin or its entry is missing).
 pub const INSTALL_TASK: &str = "cni plugin install";
+/// Readiness task of Kubernetes mode: pending until the first reconcile of the node's pods is done.
+pub const KUBE_RECONCILE_TASK: &str = "kubernetes reconcile";
+
+/// Where enrollment decisions come from.
+pub enum EnrollmentSource {
+    /// A fixed policy for the plugin's events (standalone mode: the local config).
+    Policy(Arc<dyn EnrollmentPolicy>),
+    /// Kubernetes mode: Istio's rules over the API's pods and namespaces, with a reconciler that
+    /// follows label changes.
+    Kubernetes(KubeMode),
+}
+
+/// The settings of Kubernetes mode.
+#[derive(Debug, Clone)]
+pub struct KubeMode {
+    /// API access and node name.
+    pub settings: KubeSettings,
+    /// The enrollment rules (the plugin's are the same).
+    pub rules: EnrollmentRules,
+    /// Where the host's procfs is (`/proc`, or `/host/proc` in a container): running pods' netns
+    /// are found there.
+    pub proc_root: PathBuf,
+}
 
 /// Settings of the node agent.
 #[derive(Debug, Clone)]
@@ -57,6 +85,12 @@ pub enum AgentError {
     /// The plugin event socket could not be bound.
     #[error(transparent)]
     Socket(#[from] server::ServerError),
+    /// Kubernetes mode could not start.
+    #[error(transparent)]
+    Kube(#[from] KubeError),
+    /// The agent's own netns (the host's) could not be read.
+    #[error("own netns: {0}")]
+    Netns(#[from] crate::netns::NetnsError),
 }
 
 /// A started agent (see [`start`]).
@@ -67,14 +101,15 @@ pub struct Agent {
     sock_path: PathBuf,
 }
 
-/// Starts the agent: the pod manager handing pods to `proxy` after `policy` enrolled them (pods
+/// Starts the agent: the pod manager handing pods to `proxy` after `source` enrolled them (pods
 /// enrolled before a restart get their rules and proxy back first), the plugin event socket in
-/// `cfg.run_dir`, and with `cfg.install` the installer and its repair loop. Registers
-/// [`PLUGIN_SOCKET_TASK`] (and [`INSTALL_TASK`]) in `ready`. Every task ends when `shutdown`
-/// resolves; [`Agent::join`] waits for that.
+/// `cfg.run_dir`, with `cfg.install` the installer and its repair loop, and in Kubernetes mode the
+/// watches and the reconciler. Registers [`PLUGIN_SOCKET_TASK`] (and [`INSTALL_TASK`],
+/// [`KUBE_RECONCILE_TASK`]) in `ready`. Every task ends when `shutdown` resolves; [`Agent::join`]
+/// waits for that.
 pub async fn start(
     cfg: AgentConfig,
-    policy: Arc<dyn EnrollmentPolicy>,
+    source: EnrollmentSource,
     proxy: WorkloadSink,
     ready: &Readiness,
     shutdown: impl Future<Output = ()> + Send + 'static,
@@ -85,10 +120,36 @@ pub async fn start(
         let _ = stop_tx.send(true);
     });
     let socket_ready = ready.register(PLUGIN_SOCKET_TASK);
+    let (policy, kube_mode): (Arc<dyn EnrollmentPolicy>, _) = match source {
+        EnrollmentSource::Policy(p) => (p, None),
+        EnrollmentSource::Kubernetes(mode) => {
+            let client = kube::client(&mode.settings.access).await?;
+            let (changes_tx, changes_rx) = tokio::sync::mpsc::unbounded_channel();
+            let watches = Watches::start(client.clone(), &mode.settings.node_name, changes_tx);
+            let rules = Arc::new(mode.rules);
+            let policy = KubePolicy::new(watches.clone(), client.clone(), rules.clone());
+            tracing::info!(node = %mode.settings.node_name, "Kubernetes mode: watching the node's pods and all namespaces");
+            (
+                Arc::new(policy),
+                Some((client, watches, rules, changes_rx, mode.proc_root)),
+            )
+        }
+    };
     let pods = Arc::new(PodManager::new(policy, proxy, cfg.redirect.clone()));
     pods.restore(&cfg.run_dir)
         .await
         .map_err(AgentError::Restore)?;
+    if let Some((client, watches, rules, changes, proc_root)) = kube_mode {
+        let (local_tx, local_rx) = tokio::sync::mpsc::unbounded_channel();
+        pods.set_change_hook(local_tx);
+        let reconciler = Reconciler::new(pods.clone(), watches, client, rules, proc_root)?;
+        tokio::spawn(reconciler.run(
+            changes,
+            local_rx,
+            ready.register(KUBE_RECONCILE_TASK),
+            stopped(stop_rx.clone()),
+        ));
+    }
     let sock_path = plugin_socket_path(&cfg.run_dir);
     let listener = server::bind(&sock_path)?;
     let server_task = tokio::spawn(server::serve(

@@ -7,8 +7,10 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use mimalloc::MiMalloc;
-use ztnode::agent::AgentConfig;
+use ztnode::agent::enroll::EnrollmentRules;
 use ztnode::agent::install::InstallConfig;
+use ztnode::agent::kube::{KubeAccess, KubeSettings};
+use ztnode::agent::{AgentConfig, KubeMode};
 use ztnode::mesh::{self, PacketMark};
 use ztnode::proxy::ProxyConfig;
 use ztnode::runtime;
@@ -60,6 +62,17 @@ struct AgentOpts {
     /// Program IPv6 redirection too.
     #[arg(long, env = "AMBIENT_IPV6")]
     ipv6: bool,
+    /// Kubeconfig for Kubernetes mode (else `KUBECONFIG`, else the in-cluster service account).
+    /// Without any of them the agent runs standalone.
+    #[arg(long)]
+    kubeconfig: Option<PathBuf>,
+    /// This node's name (Kubernetes mode: only its pods are watched).
+    #[arg(long, env = "NODE_NAME")]
+    node_name: Option<String>,
+    /// The host's procfs, where running pods' netns are found (Kubernetes mode; `/host/proc`
+    /// when the agent runs in a container).
+    #[arg(long, env = "HOST_PROC", default_value = "/proc")]
+    proc_root: PathBuf,
 }
 
 /// Options of the proxy half (`node`, `proxy`).
@@ -103,9 +116,10 @@ struct ProxyCmd {
 /// `ztnode agent` / `ztnode-agent`.
 #[derive(clap::Args, Debug, Clone)]
 struct AgentCmd {
-    /// Local config (ztunnel LOCAL_XDS_PATH YAML format): enrollment = HBONE workload of the pod.
+    /// Local config (ztunnel LOCAL_XDS_PATH YAML format): in standalone mode enrollment = HBONE
+    /// workload of the pod; optional in Kubernetes mode.
     #[arg(long, env = "LOCAL_XDS_PATH")]
-    config: PathBuf,
+    config: Option<PathBuf>,
     /// Where to serve ZDS for proxies.
     #[arg(long, env = "ZTUNNEL_UDS_ADDRESS", default_value = mesh::DEFAULT_ZDS_SOCKET)]
     zds_socket: PathBuf,
@@ -138,9 +152,9 @@ struct AgentCli {
 enum Cmd {
     /// Agent and proxy in one process (standalone mode DaemonSet entrypoint).
     Node {
-        /// Local config (ztunnel LOCAL_XDS_PATH YAML format).
+        /// Local config (ztunnel LOCAL_XDS_PATH YAML format); optional in Kubernetes mode.
         #[arg(long, env = "LOCAL_XDS_PATH")]
-        config: PathBuf,
+        config: Option<PathBuf>,
         #[command(flatten)]
         mesh: MeshOpts,
         #[command(flatten)]
@@ -238,8 +252,11 @@ fn run(cmd: Cmd) -> anyhow::Result<i32> {
         Cmd::Agent(a) => {
             runtime::init_tracing();
             let cfg = agent_config(&a.agent, &a.mesh)?;
+            let kube = kube_mode(&a.agent)?;
+            let config = local_config(a.config, &kube)?;
             runtime::build()?.block_on(ztnode::node::run_agent(
-                a.config,
+                config,
+                kube,
                 cfg,
                 a.zds_socket,
                 runtime::shutdown_signal(),
@@ -285,8 +302,10 @@ fn run(cmd: Cmd) -> anyhow::Result<i32> {
         } => {
             runtime::init_tracing();
             runtime::raise_nofile_limit();
+            let kube = kube_mode(&agent)?;
             let cfg = ztnode::node::NodeConfig {
-                config,
+                config: local_config(config, &kube)?,
+                kube,
                 proxy: proxy_config(&proxy, &mesh, &agent.dirs.run_dir),
                 agent: agent_config(&agent, &mesh)?,
             };
@@ -311,6 +330,45 @@ fn agent_config(a: &AgentOpts, m: &MeshOpts) -> anyhow::Result<AgentConfig> {
             ..Default::default()
         },
     })
+}
+
+/// Kubernetes mode's settings when a kubeconfig or the in-cluster service account is there
+/// (`NODE_NAME` then required; the rules from `AMBIENT_ENABLEMENT_SELECTOR`,
+/// `EXCLUDE_NAMESPACES`, `POD_NAMESPACE`).
+fn kube_mode(a: &AgentOpts) -> anyhow::Result<Option<KubeMode>> {
+    let access = KubeAccess::detect(
+        a.kubeconfig.as_deref(),
+        std::env::var("KUBECONFIG").ok().as_deref(),
+        std::env::var("KUBERNETES_SERVICE_HOST").ok().as_deref(),
+        std::path::Path::new(ztnode::agent::kube::SERVICE_ACCOUNT_TOKEN),
+    );
+    let Some(access) = access else {
+        return Ok(None);
+    };
+    let node_name = a
+        .node_name
+        .clone()
+        .filter(|n| !n.is_empty())
+        .ok_or(ztnode::agent::kube::KubeError::NoNodeName)?;
+    let rules = EnrollmentRules::from_env(|k| std::env::var(k).ok())?;
+    Ok(Some(KubeMode {
+        settings: KubeSettings { access, node_name },
+        rules,
+        proc_root: a.proc_root.clone(),
+    }))
+}
+
+/// The local config: required in standalone mode.
+fn local_config(
+    config: Option<PathBuf>,
+    kube: &Option<KubeMode>,
+) -> anyhow::Result<Option<PathBuf>> {
+    if config.is_none() && kube.is_none() {
+        anyhow::bail!(
+            "--config (LOCAL_XDS_PATH) is required in standalone mode (no --kubeconfig, KUBECONFIG or in-cluster service account)"
+        );
+    }
+    Ok(config)
 }
 
 fn proxy_config(p: &ProxyOpts, m: &MeshOpts, run_dir: &std::path::Path) -> ProxyConfig {

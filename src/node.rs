@@ -22,7 +22,7 @@ use tokio::sync::watch;
 
 use crate::agent::enroll::EnrollmentPolicy;
 use crate::agent::pods::PodManager;
-use crate::agent::{self, AgentConfig};
+use crate::agent::{self, AgentConfig, EnrollmentSource, KubeMode};
 use crate::proxy::manager::ProxyManager;
 use crate::proxy::state::{self, Protocol, StateHandle};
 use crate::proxy::{self, ProxyConfig};
@@ -44,8 +44,11 @@ pub const ZDS_CONNECTION_TASK: &str = "ZDS connection";
 /// Settings of `ztnode node`: both halves.
 #[derive(Debug, Clone)]
 pub struct NodeConfig {
-    /// Local config file (ztunnel LOCAL_XDS_PATH format), read by both halves.
-    pub config: PathBuf,
+    /// Local config file (ztunnel LOCAL_XDS_PATH format), read by both halves; required in
+    /// standalone mode, optional in Kubernetes mode (workloads and policies then start empty).
+    pub config: Option<PathBuf>,
+    /// Kubernetes mode (`None`: standalone, pods enrolled by the local config).
+    pub kube: Option<KubeMode>,
     /// The agent half.
     pub agent: AgentConfig,
     /// The proxy half.
@@ -65,12 +68,12 @@ pub async fn run(
         cfg.proxy.packet_mark
     );
     let ready = Readiness::new();
-    let state = load_state(&cfg.config, &ready)?;
+    let state = load_state(cfg.config.as_deref(), &ready)?;
     let (stop_tx, stop_rx) = watch::channel(false);
     let proxy = proxy::start(&cfg.proxy, state.clone(), &ready)?;
     let agent = agent::start(
         cfg.agent,
-        local_config_policy(state.clone()),
+        enrollment_source(cfg.kube, &state),
         proxy.link.into(),
         &ready,
         stopped(stop_rx.clone()),
@@ -95,16 +98,18 @@ pub async fn run(
 }
 
 /// Runs the agent alone until `shutdown`: plugin socket, install, and the ZDS server on `zds_socket`
-/// for separate proxies. Enrollment reads the local config at `config`.
+/// for separate proxies. Enrollment follows Kubernetes (`kube`) or else the local config at
+/// `config`.
 pub async fn run_agent(
-    config: PathBuf,
+    config: Option<PathBuf>,
+    kube: Option<KubeMode>,
     cfg: AgentConfig,
     zds_socket: PathBuf,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<()> {
-    tracing::info!(?cfg, config = %config.display(), zds_socket = %zds_socket.display(), "starting ztnode agent");
+    tracing::info!(?cfg, ?config, ?kube, zds_socket = %zds_socket.display(), "starting ztnode agent");
     let ready = Readiness::new();
-    let state = load_state(&config, &ready)?;
+    let state = load_state(config.as_deref(), &ready)?;
     let (stop_tx, stop_rx) = watch::channel(false);
     let zds_server = ZdsServer::new();
     let listener = zds::server::bind(&zds_socket)?;
@@ -112,7 +117,7 @@ pub async fn run_agent(
     tracing::info!(socket = %zds_socket.display(), "ZDS socket ready");
     let agent = agent::start(
         cfg,
-        local_config_policy(state),
+        enrollment_source(kube, &state),
         zds_server.into(),
         &ready,
         stopped(stop_rx),
@@ -139,7 +144,7 @@ pub async fn run_proxy(
 ) -> anyhow::Result<()> {
     tracing::info!(?cfg, config = %config.display(), zds_socket = %zds_socket.display(), "starting ztnode proxy");
     let ready = Readiness::new();
-    let state = load_state(&config, &ready)?;
+    let state = load_state(Some(&config), &ready)?;
     let (stop_tx, stop_rx) = watch::channel(false);
     let proxy = proxy::start(&cfg, state.clone(), &ready)?;
     let connection = ready.register(ZDS_CONNECTION_TASK);
@@ -154,6 +159,14 @@ pub async fn run_proxy(
     let _ = stop_tx.send(true);
     proxy.manager.stop_all();
     res
+}
+
+/// Kubernetes mode when configured, else the local config's policy.
+fn enrollment_source(kube: Option<KubeMode>, state: &StateHandle) -> EnrollmentSource {
+    match kube {
+        Some(mode) => EnrollmentSource::Kubernetes(mode),
+        None => EnrollmentSource::Policy(local_config_policy(state.clone())),
+    }
 }
 
 /// Standalone enrollment: a pod is in the mesh when the local config has an HBONE workload with
@@ -172,8 +185,11 @@ fn local_config_policy(state: StateHandle) -> Arc<dyn EnrollmentPolicy> {
     })
 }
 
-/// Loads the local config and keeps it fresh.
-fn load_state(config: &Path, ready: &Readiness) -> anyhow::Result<StateHandle> {
+/// Loads the local config and keeps it fresh (`None`: an empty state).
+fn load_state(config: Option<&Path>, ready: &Readiness) -> anyhow::Result<StateHandle> {
+    let Some(config) = config else {
+        return Ok(StateHandle::new(state::ProxyState::default()));
+    };
     let loaded = ready.register(LOCAL_CONFIG_TASK);
     let state = StateHandle::new(state::load_config_file(config).context("local config")?);
     loaded.done();

@@ -49,19 +49,55 @@ pub use selector::{
     SelectorField, SelectorProblem,
 };
 
+use futures::future::BoxFuture;
+
+use crate::podevent::PodAddEvent;
 use crate::zds::WorkloadInfo;
 
-/// Decides whether a pod is enrolled, and with which identity.
-pub trait EnrollmentPolicy: Send + Sync {
-    /// `Some(info)` when the pod `namespace/name` belongs in the mesh.
-    fn decide(&self, namespace: &str, name: &str) -> Option<WorkloadInfo>;
+/// A pod the policy put in the mesh: the identity the proxy serves it with and its redirection
+/// options.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Enrollment {
+    /// Name, namespace and service account (the SPIFFE identity's parts).
+    pub info: WorkloadInfo,
+    /// Per-pod redirection options (from the pod's annotations in Kubernetes mode).
+    pub options: PodOptions,
 }
 
+/// Why a policy could not decide about a pod (the CNI ADD then fails: fail closed).
+#[derive(Debug, thiserror::Error)]
+#[error("deciding about pod {pod}: {source}")]
+pub struct PolicyError {
+    /// `namespace/name`.
+    pub pod: String,
+    /// What failed (the pod unknown to the API server, the API server unreachable, ...).
+    #[source]
+    pub source: Box<dyn std::error::Error + Send + Sync>,
+}
+
+/// Decides whether a pod the plugin reported is enrolled, and with which identity.
+pub trait EnrollmentPolicy: Send + Sync {
+    /// `Ok(Some(..))` when the pod of `event` belongs in the mesh, `Ok(None)` when it does not.
+    fn decide<'a>(
+        &'a self,
+        event: &'a PodAddEvent,
+    ) -> BoxFuture<'a, Result<Option<Enrollment>, PolicyError>>;
+}
+
+/// A closure `(namespace, name) -> Option<WorkloadInfo>` is a policy whose pods get no per-pod
+/// options (standalone mode).
 impl<F> EnrollmentPolicy for F
 where
     F: Fn(&str, &str) -> Option<WorkloadInfo> + Send + Sync,
 {
-    fn decide(&self, namespace: &str, name: &str) -> Option<WorkloadInfo> {
-        self(namespace, name)
+    fn decide<'a>(
+        &'a self,
+        event: &'a PodAddEvent,
+    ) -> BoxFuture<'a, Result<Option<Enrollment>, PolicyError>> {
+        let decided = self(&event.pod_namespace, &event.pod_name).map(|info| Enrollment {
+            info,
+            options: PodOptions::default(),
+        });
+        Box::pin(std::future::ready(Ok(decided)))
     }
 }

@@ -22,9 +22,11 @@ use std::net::IpAddr;
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
+use tokio::sync::mpsc;
+
 use serde::Serialize;
 
-use crate::agent::enroll::EnrollmentPolicy;
+use crate::agent::enroll::{Enrollment, EnrollmentPolicy, PodOptions, PolicyError};
 use crate::agent::proxy_link::WorkloadSink;
 use crate::agent::redirect::{self, RedirectPlan};
 use crate::netns::{Netns, NetnsError};
@@ -73,6 +75,12 @@ pub enum PodError {
     /// The persisted pod table could not be read or attached.
     #[error("pod table: {0}")]
     Store(#[from] StoreError),
+    /// The enrollment policy could not decide (e.g. the API server does not know the pod yet).
+    #[error(transparent)]
+    Policy(#[from] PolicyError),
+    /// The pod is not in the table.
+    #[error("pod {0} is not enrolled")]
+    NotEnrolled(String),
 }
 
 /// Result of an ADD.
@@ -92,6 +100,8 @@ pub struct EnrolledPod {
     /// Name, namespace and service account (flattened into the pod's JSON).
     #[serde(flatten)]
     pub info: WorkloadInfo,
+    /// Redirection options of the pod's rules.
+    pub options: PodOptions,
     /// netns path given by the runtime.
     pub netns: String,
     /// Sandbox id.
@@ -110,6 +120,7 @@ impl EnrolledPod {
         PodRecord {
             uid: self.uid.clone(),
             info: self.info.clone(),
+            options: self.options.clone(),
             netns: self.netns.clone(),
             container_id: self.container_id.clone(),
             ips: self.ips.clone(),
@@ -147,6 +158,24 @@ pub struct PodManager {
     rules: Arc<dyn RuleApplier>,
     table: Mutex<Table>,
     store: OnceLock<Arc<Store>>,
+    changes: OnceLock<mpsc::UnboundedSender<(String, String)>>,
+}
+
+/// A pod to enroll, found by the plugin's event or, in Kubernetes mode, by the reconciler.
+#[derive(Debug, Clone)]
+pub struct FoundPod {
+    /// Pod UID (the ZDS uid).
+    pub uid: String,
+    /// What the policy decided.
+    pub enrollment: Enrollment,
+    /// The netns path (the runtime's, or `/proc/<pid>/ns/net` when found from procfs).
+    pub netns_path: String,
+    /// The opened netns.
+    pub netns: Netns,
+    /// Sandbox id, empty when unknown.
+    pub container_id: String,
+    /// The pod's IPs.
+    pub ips: Vec<IpAddr>,
 }
 
 enum Restored {
@@ -178,6 +207,7 @@ impl PodManager {
             rules,
             table: Mutex::new(Table::default()),
             store: OnceLock::new(),
+            changes: OnceLock::new(),
         }
     }
 
@@ -251,7 +281,7 @@ impl PodManager {
         let span = tracing::info_span!("pod", %pod, uid = %rec.uid, netns = %netns.id());
         let info = rec.info.clone();
         let step = async {
-            self.apply_rules(&pod, &netns).await?;
+            self.apply_rules(&pod, &netns, &rec.options).await?;
             self.zds
                 .send(WorkloadRequest::Add {
                     uid: rec.uid.clone(),
@@ -277,6 +307,7 @@ impl PodManager {
         let entry = EnrolledPod {
             uid: rec.uid.clone(),
             info: rec.info,
+            options: rec.options,
             netns: rec.netns,
             container_id: rec.container_id,
             ips: rec.ips,
@@ -324,10 +355,16 @@ impl PodManager {
         }
     }
 
-    async fn apply_rules(&self, pod: &str, netns: &Netns) -> Result<(), PodError> {
+    async fn apply_rules(
+        &self,
+        pod: &str,
+        netns: &Netns,
+        options: &PodOptions,
+    ) -> Result<(), PodError> {
         let rules = self.rules.clone();
         let ns = netns.clone();
-        tokio::task::spawn_blocking(move || rules.apply(&ns))
+        let options = options.clone();
+        tokio::task::spawn_blocking(move || rules.apply_for_pod(&ns, &options))
             .await
             .map_err(|_| PodError::Task(pod.to_owned()))?
             .map_err(|source| PodError::Redirect {
@@ -339,7 +376,7 @@ impl PodManager {
     /// CNI ADD: enroll the pod if the policy says so.
     pub async fn add(&self, ev: PodAddEvent) -> Result<AddOutcome, PodError> {
         let pod = format!("{}/{}", ev.pod_namespace, ev.pod_name);
-        let Some(info) = self.policy.decide(&ev.pod_namespace, &ev.pod_name) else {
+        let Some(enrollment) = self.policy.decide(&ev).await? else {
             tracing::info!(%pod, "pod is not in the mesh");
             return Ok(AddOutcome::NotInMesh);
         };
@@ -356,19 +393,40 @@ impl PodManager {
             source,
         })?;
         let span = tracing::info_span!("pod", %pod, %uid, netns = %netns.id());
-        tracing::Instrument::instrument(self.enroll(pod, uid, info, netns, ev), span).await
+        let found = FoundPod {
+            uid,
+            enrollment,
+            netns_path: ev.netns,
+            netns,
+            container_id: ev.container_id,
+            ips: ev.ips.iter().map(|i| i.address.ip).collect(),
+        };
+        tracing::Instrument::instrument(self.enroll(pod, found), span).await
     }
 
-    async fn enroll(
-        &self,
-        pod: String,
-        uid: String,
-        info: WorkloadInfo,
-        netns: Netns,
-        ev: PodAddEvent,
-    ) -> Result<AddOutcome, PodError> {
+    /// Enrolls a pod found without a CNI event (Kubernetes mode: a running pod whose namespace or
+    /// labels now put it in the mesh, or one found again after lost state): rules, then the proxy,
+    /// as an ADD does. Idempotent.
+    pub async fn enroll_found(&self, found: FoundPod) -> Result<AddOutcome, PodError> {
+        let pod = format!(
+            "{}/{}",
+            found.enrollment.info.namespace, found.enrollment.info.name
+        );
+        let span = tracing::info_span!("pod", %pod, uid = %found.uid, netns = %found.netns.id());
+        tracing::Instrument::instrument(self.enroll(pod, found), span).await
+    }
+
+    async fn enroll(&self, pod: String, found: FoundPod) -> Result<AddOutcome, PodError> {
+        let FoundPod {
+            uid,
+            enrollment: Enrollment { info, options },
+            netns_path,
+            netns,
+            container_id,
+            ips,
+        } = found;
         let start = std::time::Instant::now();
-        self.apply_rules(&pod, &netns).await?;
+        self.apply_rules(&pod, &netns, &options).await?;
         tracing::info!(
             elapsed_us = start.elapsed().as_micros() as u64,
             "redirection rules installed"
@@ -376,9 +434,10 @@ impl PodManager {
         let mut entry = EnrolledPod {
             uid: uid.clone(),
             info: info.clone(),
-            netns: ev.netns,
-            container_id: ev.container_id,
-            ips: ev.ips.iter().map(|i| i.address.ip).collect(),
+            options,
+            netns: netns_path,
+            container_id,
+            ips,
             pending: true,
             handle: netns.clone(),
         };
@@ -388,17 +447,18 @@ impl PodManager {
             .update(|pods| pods.insert(uid.clone(), entry.clone()))
             .1;
         self.persist(snapshot).await;
-        self.zds
+        let sent = self
+            .zds
             .send(WorkloadRequest::Add {
                 uid: uid.clone(),
                 info: info.clone(),
                 netns,
             })
-            .await
-            .map_err(|source| PodError::Proxy {
-                pod: pod.clone(),
-                source,
-            })?;
+            .await;
+        if let Err(source) = sent {
+            self.notify(&info);
+            return Err(PodError::Proxy { pod, source });
+        }
         tracing::info!(
             identity.sa = %info.service_account,
             elapsed_us = start.elapsed().as_micros() as u64,
@@ -407,6 +467,7 @@ impl PodManager {
         entry.pending = false;
         let snapshot = self.update(|pods| pods.insert(uid, entry)).1;
         self.persist(snapshot).await;
+        self.notify(&info);
         Ok(AddOutcome::Enrolled)
     }
 
@@ -435,8 +496,79 @@ impl PodManager {
             return Ok(());
         };
         self.persist(snapshot).await;
+        self.release(pod, true).await
+    }
+
+    /// Takes pod `uid` out of the mesh while it keeps running (Kubernetes mode: its labels no
+    /// longer select it): its rules are removed (`remove_rules`; false for a pod that is
+    /// terminating, whose netns is going away) and the proxy forgets it. Unknown uids succeed.
+    pub async fn unenroll(&self, uid: &str, remove_rules: bool) -> Result<(), PodError> {
+        let (found, snapshot) = self.update(|pods| pods.remove(uid));
+        let Some(pod) = found else {
+            return Ok(());
+        };
+        self.persist(snapshot).await;
+        self.release(pod, remove_rules).await
+    }
+
+    /// Sends the Add of a pending pod to the proxy again; on success the pod is no longer
+    /// pending. Errors: [`PodError::NotEnrolled`], [`PodError::Proxy`].
+    pub async fn retry_proxy(&self, uid: &str) -> Result<(), PodError> {
+        let Some(pod) = self.table().pods.get(uid).cloned() else {
+            return Err(PodError::NotEnrolled(uid.to_owned()));
+        };
         let name = format!("{}/{}", pod.info.namespace, pod.info.name);
-        if Path::new(&pod.netns).exists() {
+        self.zds
+            .send(WorkloadRequest::Add {
+                uid: uid.to_owned(),
+                info: pod.info.clone(),
+                netns: pod.handle.clone(),
+            })
+            .await
+            .map_err(|source| PodError::Proxy {
+                pod: name.clone(),
+                source,
+            })?;
+        let snapshot = self
+            .update(|pods| {
+                if let Some(p) = pods.get_mut(uid) {
+                    p.pending = false;
+                }
+            })
+            .1;
+        self.persist(snapshot).await;
+        tracing::info!(pod = %name, %uid, "proxy took the pending pod");
+        self.notify(&pod.info);
+        Ok(())
+    }
+
+    /// The enrolled pod `namespace/name`, if any.
+    pub fn find(&self, namespace: &str, name: &str) -> Option<EnrolledPod> {
+        self.table()
+            .pods
+            .values()
+            .find(|p| p.info.namespace == namespace && p.info.name == name)
+            .cloned()
+    }
+
+    /// Reports every later enrollment, failed proxy hand-over and removal as the pod's
+    /// `(namespace, name)` on `tx` (the Kubernetes reconciler keeps the pods' status annotation
+    /// from it). Only the first call takes effect.
+    pub fn set_change_hook(&self, tx: mpsc::UnboundedSender<(String, String)>) {
+        let _ = self.changes.set(tx);
+    }
+
+    fn notify(&self, info: &WorkloadInfo) {
+        if let Some(tx) = self.changes.get() {
+            let _ = tx.send((info.namespace.clone(), info.name.clone()));
+        }
+    }
+
+    /// Removes a pod taken out of the table: its rules (when asked and its netns still exists),
+    /// then the proxy's copy.
+    async fn release(&self, pod: EnrolledPod, remove_rules: bool) -> Result<(), PodError> {
+        let name = format!("{}/{}", pod.info.namespace, pod.info.name);
+        if remove_rules && Path::new(&pod.netns).exists() {
             let ns = pod.handle.clone();
             let rules = self.rules.clone();
             let res = tokio::task::spawn_blocking(move || rules.remove(&ns))
@@ -456,6 +588,7 @@ impl PodManager {
                 source,
             })?;
         tracing::info!(pod = %name, uid = %pod.uid, "pod removed from the mesh");
+        self.notify(&pod.info);
         Ok(())
     }
 

@@ -14,7 +14,10 @@ use super::facts::{
 };
 
 /// The options of one enrolled pod.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+/// Stored with an enrolled pod (`pods.json`, `/config_dump`) without its warnings, so a restarted
+/// agent re-applies the same rules.
+#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
 pub struct PodOptions {
     /// `ambient.istio.io/bypass-inbound-capture`: no inbound redirection ("ingress mode").
     /// Default false.
@@ -26,6 +29,7 @@ pub struct PodOptions {
     /// outbound, in annotation order.
     pub reroute_virtual_interfaces: Vec<InterfaceName>,
     /// Annotation values that were ignored, and why.
+    #[serde(skip)]
     pub warnings: Vec<AnnotationWarning>,
 }
 
@@ -114,7 +118,10 @@ pub const MAX_INTERFACE_NAME_LEN: usize = 15;
 /// quoted name (`"`, `\`, a `*` wildcard) or that rarely appear in pod interface names are refused,
 /// so the rule we program and the script we print (`redirect::render_script`) always mean the same
 /// exact-name match.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(
+    Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
+#[serde(try_from = "String", into = "String")]
 pub struct InterfaceName(String);
 
 /// Why a string is not an [`InterfaceName`].
@@ -190,6 +197,21 @@ impl FromStr for InterfaceName {
     /// Same as [`InterfaceName::new`].
     fn from_str(s: &str) -> Result<InterfaceName, InterfaceNameError> {
         InterfaceName::new(s)
+    }
+}
+
+impl TryFrom<String> for InterfaceName {
+    type Error = InterfaceNameError;
+
+    /// Same as [`InterfaceName::new`] (used when a stored name is read back).
+    fn try_from(s: String) -> Result<InterfaceName, InterfaceNameError> {
+        InterfaceName::new(&s)
+    }
+}
+
+impl From<InterfaceName> for String {
+    fn from(n: InterfaceName) -> String {
+        n.0
     }
 }
 

@@ -16,6 +16,7 @@ use std::sync::Mutex;
 
 use serde::{Deserialize, Serialize};
 
+use crate::agent::enroll::PodOptions;
 use crate::netns::NetnsId;
 use crate::zds::WorkloadInfo;
 
@@ -73,6 +74,9 @@ pub struct PodRecord {
     /// Name, namespace and service account (flattened: `name`, `namespace`, `service_account`).
     #[serde(flatten)]
     pub info: WorkloadInfo,
+    /// Redirection options the pod's rules were made with (absent in older files: none).
+    #[serde(default)]
+    pub options: PodOptions,
     /// netns path given by the runtime.
     pub netns: String,
     /// Sandbox id.

@@ -295,6 +295,7 @@ fn an_older_generation_does_not_overwrite_a_newer_one() {
             namespace: "default".into(),
             service_account: "sa".into(),
         },
+        options: Default::default(),
         netns: OWN_NETNS.into(),
         container_id: "c".into(),
         ips: vec![],
@@ -303,4 +304,39 @@ fn an_older_generation_does_not_overwrite_a_newer_one() {
     store.save(2, vec![rec("new")]).expect("save 2");
     store.save(1, vec![rec("old")]).expect("save 1");
     assert_eq!(store.load().expect("load"), [rec("new")]);
+}
+
+#[test]
+fn pod_options_are_stored_and_older_records_read_without_them() {
+    use crate::agent::enroll::{InterfaceName, PodOptions};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::new(dir.path());
+    let options = PodOptions {
+        bypass_inbound_capture: true,
+        dns_capture_override: Some(false),
+        reroute_virtual_interfaces: vec![InterfaceName::new("tap0").expect("name")],
+        ..Default::default()
+    };
+    let rec = PodRecord {
+        uid: "u".into(),
+        info: WorkloadInfo {
+            name: "n".into(),
+            namespace: "default".into(),
+            service_account: "sa".into(),
+        },
+        options: options.clone(),
+        netns: OWN_NETNS.into(),
+        container_id: "c".into(),
+        ips: vec![],
+        netns_id: None,
+    };
+    store.save(1, vec![rec.clone()]).expect("save");
+    assert_eq!(store.load().expect("load"), std::slice::from_ref(&rec));
+    let mut old = serde_json::to_value(&rec).expect("json");
+    old.as_object_mut().expect("object").remove("options");
+    let back: PodRecord = serde_json::from_value(old).expect("older record");
+    assert_eq!(back.options, PodOptions::default());
+    let mut bad = serde_json::to_value(&rec).expect("json");
+    bad["options"]["reroute_virtual_interfaces"] = serde_json::json!(["bad name"]);
+    assert!(serde_json::from_value::<PodRecord>(bad).is_err());
 }

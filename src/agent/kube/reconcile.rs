@@ -1,0 +1,429 @@
+//! The Kubernetes reconciler (`../shared/spec/istio-cni.md` §3.2 step 3, §3.3, §3.5–3.7): one worker
+//! that brings each pod of the node to what the rules say, whatever happened before.
+//!
+//! Input: the watches' [`Change`]s (a pod or namespace changed, a list completed) and the pod
+//! manager's own changes (an ADD from the plugin, a failed proxy hand-over). For each pod:
+//! - should be enrolled, is not: wait for its IPs, find its netns from procfs
+//!   ([`NetnsFinder`]), enroll it ([`PodManager::enroll_found`]);
+//! - should be enrolled, is pending: hand it to the proxy again;
+//! - should not be (labels changed, excluded, terminated): un-enroll it (rules removed unless
+//!   the pod is terminating) and tell the proxy;
+//! - gone from the API: forget it (checked against the API server first, so a watch that lags
+//!   behind a fresh ADD does not undo it);
+//!
+//! and the status annotation follows: `enabled`, `pending` or none. A failed step is retried with
+//! exponential backoff per pod (5 ms doubling to 5 s, unlimited, as Istio's work queue); every step
+//! is idempotent. After each complete list of the pods, every pod of the store and of the pod table
+//! is looked at (pods deleted while the agent was down or the watch was broken are cleaned up);
+//! the first such pass completes the readiness task.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::Api;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use super::facts::{namespace_facts, pod_facts};
+use super::status::{self, Redirection};
+use super::watch::{Change, Watches};
+use crate::agent::enroll::{Decision, Enrollment, EnrollmentRules, SkipReason};
+use crate::agent::netns_finder::{FindError, HostNetns, InterfaceAddrCheck, NetnsFinder, PodQuery};
+use crate::agent::pods::{FoundPod, PodError, PodManager};
+use crate::netns::Netns;
+use crate::ready::Task;
+use crate::zds::WorkloadInfo;
+
+/// First retry delay of a failed pod.
+pub const RETRY_MIN: Duration = Duration::from_millis(5);
+/// Longest retry delay.
+pub const RETRY_MAX: Duration = Duration::from_secs(5);
+
+/// A pod's `(namespace, name)`.
+type PodKey = (String, String);
+
+/// Why one pod's reconcile failed (retried).
+#[derive(Debug, thiserror::Error)]
+pub enum ReconcileError {
+    /// Enrolling or removing failed.
+    #[error(transparent)]
+    Pod(#[from] PodError),
+    /// The pod's netns was not found in procfs.
+    #[error("pod {pod}: netns: {source}")]
+    Netns {
+        /// `namespace/name`.
+        pod: String,
+        /// Why.
+        #[source]
+        source: FindError,
+    },
+    /// Writing the status annotation or reading the pod failed.
+    #[error("pod {pod}: API server: {source}")]
+    Api {
+        /// `namespace/name`.
+        pod: String,
+        /// Cause.
+        #[source]
+        source: kube::Error,
+    },
+    /// A blocking task died.
+    #[error("pod {0}: worker task failed")]
+    Task(String),
+}
+
+/// The reconciler's inputs and tools.
+pub struct Reconciler {
+    pods: Arc<PodManager>,
+    watches: Watches,
+    client: kube::Client,
+    rules: Arc<EnrollmentRules>,
+    finder: Arc<NetnsFinder<InterfaceAddrCheck>>,
+}
+
+#[derive(Default)]
+struct Queue {
+    order: VecDeque<PodKey>,
+    queued: HashSet<PodKey>,
+    retries: HashMap<PodKey, (u32, Instant)>,
+}
+
+impl Queue {
+    fn push(&mut self, key: PodKey) {
+        if self.queued.insert(key.clone()) {
+            self.order.push_back(key);
+        }
+    }
+
+    fn pop(&mut self) -> Option<PodKey> {
+        let key = self.order.pop_front()?;
+        self.queued.remove(&key);
+        Some(key)
+    }
+
+    fn next_retry(&self) -> Option<Instant> {
+        self.retries.values().map(|(_, at)| *at).min()
+    }
+
+    fn due(&mut self, now: Instant) {
+        let due: Vec<PodKey> = self
+            .retries
+            .iter()
+            .filter(|(_, (_, at))| *at <= now)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for key in due {
+            self.push(key);
+        }
+    }
+
+    fn failed(&mut self, key: PodKey) {
+        let attempt = self.retries.get(&key).map_or(0, |(a, _)| *a);
+        let delay = RETRY_MIN
+            .saturating_mul(2u32.saturating_pow(attempt.min(20)))
+            .min(RETRY_MAX);
+        self.retries
+            .insert(key, (attempt.saturating_add(1), Instant::now() + delay));
+    }
+
+    fn succeeded(&mut self, key: &PodKey) {
+        self.retries.remove(key);
+    }
+}
+
+impl Reconciler {
+    /// A reconciler finding netns under `proc_root` (`/proc`, or the host's `/host/proc`). The
+    /// agent's own netns is the host netns (the agent runs with `hostNetwork`).
+    pub fn new(
+        pods: Arc<PodManager>,
+        watches: Watches,
+        client: kube::Client,
+        rules: Arc<EnrollmentRules>,
+        proc_root: PathBuf,
+    ) -> Result<Reconciler, crate::netns::NetnsError> {
+        let host = Netns::current()?.id();
+        Ok(Reconciler {
+            pods,
+            watches,
+            client,
+            rules,
+            finder: Arc::new(NetnsFinder::with_check(
+                proc_root,
+                HostNetns::Id(host),
+                InterfaceAddrCheck,
+            )),
+        })
+    }
+
+    /// Runs until `shutdown` resolves or both inputs close. `synced` is done after the first
+    /// complete pass over the node's pods.
+    pub async fn run(
+        self,
+        mut changes: mpsc::UnboundedReceiver<Change>,
+        mut local: mpsc::UnboundedReceiver<(String, String)>,
+        synced: Task,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) {
+        let mut shutdown = std::pin::pin!(shutdown);
+        let mut queue = Queue::default();
+        let (mut pods_listed, mut namespaces_listed) = (false, false);
+        let mut synced = Some(synced);
+        loop {
+            let next = queue.next_retry();
+            tokio::select! {
+                biased;
+                _ = &mut shutdown => return,
+                change = changes.recv() => match change {
+                    None => return,
+                    Some(Change::Pod { namespace, name }) => queue.push((namespace, name)),
+                    Some(Change::Namespace(ns)) => {
+                        for p in self.watches.pods_in(&ns) {
+                            queue.push(key_of(&p));
+                        }
+                    }
+                    Some(Change::PodsSynced) => {
+                        pods_listed = true;
+                        self.queue_everything(&mut queue);
+                    }
+                    Some(Change::NamespacesSynced) => {
+                        namespaces_listed = true;
+                        self.queue_everything(&mut queue);
+                    }
+                },
+                Some(key) = local.recv() => queue.push(key),
+                _ = sleep_until(next), if next.is_some() => queue.due(Instant::now()),
+            }
+            while let Some(key) = queue.pop() {
+                match self.reconcile(&key.0, &key.1).await {
+                    Ok(()) => queue.succeeded(&key),
+                    Err(e) => {
+                        tracing::warn!(pod = %format!("{}/{}", key.0, key.1), error = %e, "reconcile failed; retrying with backoff");
+                        queue.failed(key);
+                    }
+                }
+            }
+            if pods_listed
+                && namespaces_listed
+                && let Some(task) = synced.take()
+            {
+                tracing::info!(
+                    enrolled = self.pods.enrolled().len(),
+                    "first Kubernetes reconcile done"
+                );
+                task.done();
+            }
+        }
+    }
+
+    /// Every pod of the store and every pod the table holds.
+    fn queue_everything(&self, queue: &mut Queue) {
+        for p in self.watches.pods.state() {
+            queue.push(key_of(&p));
+        }
+        for p in self.pods.enrolled() {
+            queue.push((p.info.namespace, p.info.name));
+        }
+    }
+
+    /// Brings pod `namespace/name` to what the rules say (see the module docs).
+    pub async fn reconcile(&self, namespace: &str, name: &str) -> Result<(), ReconcileError> {
+        let label = format!("{namespace}/{name}");
+        let mut held = self.pods.find(namespace, name);
+        let Some(pod) = self.watches.pod(namespace, name) else {
+            if let Some(h) = held
+                && !self.exists(namespace, name, &label).await?
+            {
+                self.pods.unenroll(&h.uid, false).await?;
+            }
+            return Ok(());
+        };
+        let facts = pod_facts(&pod);
+        if let Some(h) = &held
+            && !facts.uid.as_str().is_empty()
+            && h.uid != facts.uid.as_str()
+        {
+            // The pod was recreated under the same name: the old sandbox is gone.
+            self.pods.unenroll(&h.uid, false).await?;
+            held = None;
+        }
+        let ns = self.watches.namespace(namespace);
+        let decision = self
+            .rules
+            .decide(&facts, &namespace_facts(ns.as_deref(), namespace));
+        let current = Redirection::of(&pod);
+        let want = match (decision, held) {
+            (Decision::Enroll { options, .. }, None) => {
+                if facts.ips.is_empty() {
+                    // No IP yet: the pod's next update brings it (spec §3.3).
+                    return Ok(());
+                }
+                let query = PodQuery {
+                    uid: facts.uid.clone(),
+                    ips: facts.ips.clone(),
+                };
+                let found = self.find_netns(query, &label).await?;
+                let enrollment = Enrollment {
+                    info: WorkloadInfo {
+                        name: facts.name.clone(),
+                        namespace: facts.namespace.clone(),
+                        service_account: facts.service_account.clone(),
+                    },
+                    options,
+                };
+                let res = self
+                    .pods
+                    .enroll_found(FoundPod {
+                        uid: facts.uid.as_str().to_owned(),
+                        enrollment,
+                        netns_path: found.1.display().to_string(),
+                        netns: found.0,
+                        container_id: String::new(),
+                        ips: facts.ips.clone(),
+                    })
+                    .await;
+                self.after_proxy(res.map(|_| ()), namespace, name, current)
+                    .await?
+            }
+            (Decision::Enroll { .. }, Some(h)) if h.pending => {
+                let res = self.pods.retry_proxy(&h.uid).await;
+                self.after_proxy(res, namespace, name, current).await?
+            }
+            (Decision::Enroll { .. }, Some(_)) => Some(Redirection::Enabled),
+            (Decision::Skip(reason), Some(h)) => {
+                tracing::info!(pod = %label, %reason, "leaving the mesh");
+                self.pods
+                    .unenroll(&h.uid, reason != SkipReason::Terminated)
+                    .await?;
+                None
+            }
+            (Decision::Skip(_), None) => None,
+        };
+        if current != want {
+            self.write_status(namespace, name, want).await?;
+        }
+        Ok(())
+    }
+
+    /// The annotation after a proxy hand-over: `enabled`, or `pending` written at once and the
+    /// error returned (retried).
+    async fn after_proxy(
+        &self,
+        res: Result<(), PodError>,
+        namespace: &str,
+        name: &str,
+        current: Option<Redirection>,
+    ) -> Result<Option<Redirection>, ReconcileError> {
+        match res {
+            Ok(()) => Ok(Some(Redirection::Enabled)),
+            Err(e @ PodError::Proxy { .. }) => {
+                if current != Some(Redirection::Pending) {
+                    self.write_status(namespace, name, Some(Redirection::Pending))
+                        .await?;
+                }
+                Err(e.into())
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn find_netns(
+        &self,
+        query: PodQuery,
+        label: &str,
+    ) -> Result<(Netns, PathBuf), ReconcileError> {
+        let finder = self.finder.clone();
+        let found = tokio::task::spawn_blocking(move || finder.find(&query))
+            .await
+            .map_err(|_| ReconcileError::Task(label.to_owned()))?
+            .map_err(|source| ReconcileError::Netns {
+                pod: label.to_owned(),
+                source,
+            })?;
+        Ok((found.netns, found.path))
+    }
+
+    /// Whether the API server still has the pod (the store may lag behind a fresh ADD).
+    async fn exists(
+        &self,
+        namespace: &str,
+        name: &str,
+        label: &str,
+    ) -> Result<bool, ReconcileError> {
+        let api: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
+        api.get_opt(name)
+            .await
+            .map(|p| p.is_some())
+            .map_err(|source| ReconcileError::Api {
+                pod: label.to_owned(),
+                source,
+            })
+    }
+
+    async fn write_status(
+        &self,
+        namespace: &str,
+        name: &str,
+        value: Option<Redirection>,
+    ) -> Result<(), ReconcileError> {
+        status::write(&self.client, namespace, name, value)
+            .await
+            .map_err(|source| ReconcileError::Api {
+                pod: format!("{namespace}/{name}"),
+                source,
+            })
+    }
+}
+
+fn key_of(p: &Pod) -> PodKey {
+    (
+        p.metadata.namespace.clone().unwrap_or_default(),
+        p.metadata.name.clone().unwrap_or_default(),
+    )
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn retries_back_off_from_5_ms_to_5_s_and_success_clears_them() {
+        let mut q = Queue::default();
+        let key: PodKey = ("ns".into(), "p".into());
+        let start = Instant::now();
+        let mut delays = Vec::new();
+        for _ in 0..12 {
+            q.failed(key.clone());
+            delays.push(q.next_retry().expect("retry") - start);
+        }
+        assert_eq!(delays[0], Duration::from_millis(5));
+        assert_eq!(delays[1], Duration::from_millis(10));
+        assert_eq!(delays[10], RETRY_MAX);
+        assert_eq!(delays[11], RETRY_MAX);
+        q.due(start + Duration::from_millis(1));
+        assert_eq!(q.pop(), None, "not due yet");
+        q.due(start + RETRY_MAX);
+        assert_eq!(q.pop(), Some(key.clone()));
+        q.succeeded(&key);
+        assert_eq!(q.next_retry(), None);
+    }
+
+    #[test]
+    fn a_queued_pod_is_queued_once() {
+        let mut q = Queue::default();
+        q.push(("a".into(), "1".into()));
+        q.push(("a".into(), "1".into()));
+        q.push(("a".into(), "2".into()));
+        assert_eq!(q.pop(), Some(("a".into(), "1".into())));
+        assert_eq!(q.pop(), Some(("a".into(), "2".into())));
+        assert_eq!(q.pop(), None);
+    }
+}
