@@ -2,6 +2,9 @@
 # Installs what ztnode's build, demo and tests need on a Debian-like machine. Idempotent; run as root.
 #   OS packages: iproute2, nftables, iptables, tcpdump, iperf3, file, the reference CNI plugins
 #   (containernetworking-plugins: bridge, host-local), musl-tools (musl-gcc for the static build).
+#   kubectl (tests/deploy.rs renders deploy/ with `kubectl kustomize`): the `kubectl` package this
+#   machine kind ships with, not Debian's kubernetes-client (1.20, whose kustomize predates the
+#   syntax deploy/ uses).
 #   Rust: the x86_64-unknown-linux-musl target.
 set -euo pipefail
 pkgs=(iproute2 nftables iptables tcpdump iperf3 file containernetworking-plugins musl-tools ca-certificates)
@@ -14,6 +17,12 @@ if [ "${#missing[@]}" -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+if ! command -v kubectl >/dev/null 2>&1; then
+  echo "setup: installing kubectl"
+  # Not fatal here: the other tests need no kubectl, and tests/deploy.rs fails under CI without it.
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq kubectl >/dev/null; } \
+    || echo "setup: could not install the kubectl package; tests/deploy.rs will fail under CI" >&2
 fi
 if command -v rustup >/dev/null 2>&1; then
   rustup target list --installed | grep -q x86_64-unknown-linux-musl || rustup target add x86_64-unknown-linux-musl
