@@ -15,8 +15,8 @@ pub const ENV_EXCLUDE_NAMESPACES: &str = "EXCLUDE_NAMESPACES";
 /// Env var of the namespace ztnode runs in (the downward API's `metadata.namespace`, spec §6).
 pub const ENV_POD_NAMESPACE: &str = "POD_NAMESPACE";
 /// Namespace of ztnode's own pods when [`ENV_POD_NAMESPACE`] is unset or empty (`deploy/`).
-pub const DEFAULT_OWN_NAMESPACE: &str = "ztnode-system";
-/// `app` label value of ztnode's own pods (`deploy/daemonset.yaml`).
+pub const DEFAULT_OWN_NAMESPACE: &str = "istio-system";
+/// `app` label value of ztnode's own pods (`deploy/base/daemonset.yaml`).
 pub const OWN_APP_LABEL: &str = "ztnode";
 /// Name prefix of ztnode's own pods: DaemonSet `ztnode` names its pods `ztnode-<suffix>`.
 pub const OWN_NAME_PREFIX: &str = "ztnode-";
