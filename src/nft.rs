@@ -1,18 +1,24 @@
 //! A small nf_tables client over netlink, in pure Rust (no `nft` binary, no libnftnl).
 //!
-//! Scope is what the in-pod redirection needs: tables, base and regular chains, and rules built
-//! from a handful of [`Expr`]s. Changes go through a [`Batch`], sent as ONE nfnetlink batch
-//! (`NFNL_MSG_BATCH_BEGIN` .. `NFNL_MSG_BATCH_END`, `res_id` = `NFNL_SUBSYS_NFTABLES`), which the
-//! kernel applies atomically: either every command takes effect or none does. Every command
-//! carries `NLM_F_ACK`; the first failing command is reported as [`NftError::Kernel`] naming it.
+//! Scope is what the redirection needs: tables, base and regular chains, rules built from a
+//! handful of [`Expr`]s, and named address sets with commented elements ([`Set`], [`SetElems`]).
+//! Changes go through a [`Batch`], sent as ONE nfnetlink batch (`NFNL_MSG_BATCH_BEGIN` ..
+//! `NFNL_MSG_BATCH_END`, `res_id` = `NFNL_SUBSYS_NFTABLES`), which the kernel applies atomically:
+//! either every command takes effect or none does. Every command carries `NLM_F_ACK`; the first
+//! failing command is reported as [`NftError::Kernel`] naming it.
 //!
 //! Sockets are created on the calling thread, so the commands act on that thread's network
-//! namespace (use [`crate::netns::Netns::run`] to target a pod).
+//! namespace (use [`crate::netns::Netns::run`] to target a pod). Reading back ([`table_exists`],
+//! [`set_exists`], [`list_set_elems`], [`list_rules`]) works the same way.
 
 mod expr;
+mod query;
+mod set;
 mod socket;
 mod wire;
 
+#[cfg(test)]
+mod set_tests;
 #[cfg(test)]
 mod tests;
 
@@ -21,7 +27,11 @@ use std::fmt;
 
 use nix::errno::Errno;
 
-pub use expr::{CmpOp, CtKey, Expr, ImmediateData, MetaKey, PayloadBase, Register, Verdict};
+pub use expr::{
+    CmpOp, CtKey, Expr, ImmediateData, MetaKey, NatKind, PayloadBase, Register, Verdict,
+};
+pub use query::{RuleSummary, list_rules, list_set_elems, set_exists, table_exists};
+pub use set::{MAX_COMMENT_LEN, Set, SetElem, SetElems, SetKeyType};
 
 use socket::{NfSocket, RECV_BUF_LEN};
 use wire::{Attr, MsgHeader, Reply};
@@ -174,6 +184,34 @@ pub enum Command {
     AddChain(Chain),
     /// `NFT_MSG_NEWRULE` with `NLM_F_CREATE | NLM_F_APPEND`: appends at the end of the chain.
     AddRule(Rule),
+    /// `NFT_MSG_DELRULE` naming only the table: deletes every rule of every chain of the table and
+    /// keeps the chains and sets with their elements (`nft flush table`; ENOENT if the table is
+    /// missing).
+    FlushTable(Table),
+    /// `NFT_MSG_NEWSET` with `NLM_F_CREATE`: creates the set; no-op when it exists (its elements
+    /// stay).
+    AddSet(Set),
+    /// `NFT_MSG_DELSET`: deletes the set and its elements (ENOENT if missing, EBUSY while a rule
+    /// refers to it).
+    DelSet {
+        /// Owning table.
+        table: Table,
+        /// Set name.
+        name: String,
+    },
+    /// `NFT_MSG_NEWSETELEM` with `NLM_F_CREATE`: adds the elements with their comments. An element
+    /// already in the set is left as it is, comment included (delete it first to change it).
+    AddSetElems(SetElems),
+    /// `NFT_MSG_DELSETELEM`: deletes the elements by key (comments are not sent; ENOENT if one is
+    /// missing).
+    DelSetElems(SetElems),
+    /// `NFT_MSG_DELSETELEM` without elements: empties the set (`nft flush set`).
+    FlushSet {
+        /// Owning table.
+        table: Table,
+        /// Set name.
+        name: String,
+    },
 }
 
 /// An ordered list of commands applied in one nf_tables transaction.
@@ -261,11 +299,14 @@ impl fmt::Display for Table {
 // === impl Command ===
 
 impl Command {
-    fn family(&self) -> Family {
+    fn table(&self) -> &Table {
         match self {
-            Command::AddTable(t) | Command::DelTable(t) => t.family,
-            Command::AddChain(c) => c.table.family,
-            Command::AddRule(r) => r.table.family,
+            Command::AddTable(t) | Command::DelTable(t) | Command::FlushTable(t) => t,
+            Command::AddChain(c) => &c.table,
+            Command::AddRule(r) => &r.table,
+            Command::AddSet(s) => &s.table,
+            Command::DelSet { table, .. } | Command::FlushSet { table, .. } => table,
+            Command::AddSetElems(e) | Command::DelSetElems(e) => &e.table,
         }
     }
 
@@ -276,22 +317,40 @@ impl Command {
             Command::DelTable(_) => (msg::DELTABLE, 0),
             Command::AddChain(_) => (msg::NEWCHAIN, NLM_F_CREATE),
             Command::AddRule(_) => (msg::NEWRULE, NLM_F_CREATE | NLM_F_APPEND),
+            Command::FlushTable(_) => (msg::DELRULE, 0),
+            Command::AddSet(_) => (msg::NEWSET, NLM_F_CREATE),
+            Command::DelSet { .. } => (msg::DELSET, 0),
+            Command::AddSetElems(_) => (msg::NEWSETELEM, NLM_F_CREATE),
+            Command::DelSetElems(_) | Command::FlushSet { .. } => (msg::DELSETELEM, 0),
         };
         MsgHeader {
             ty: wire::nft_type(m),
             flags: NLM_F_REQUEST | NLM_F_ACK | flags,
             seq,
-            family: self.family().nfproto(),
+            family: self.table().family.nfproto(),
             res_id: 0,
         }
     }
 
-    pub(crate) fn attrs(&self) -> Vec<Attr> {
+    /// The message's attributes. `next_set_id` numbers the sets created in the batch
+    /// (`NFTA_SET_ID`, which the kernel requires; 1, 2, .. like nft). Fails only on a comment longer
+    /// than [`MAX_COMMENT_LEN`].
+    pub(crate) fn attrs(&self, next_set_id: &mut u32) -> Result<Vec<Attr>, NftError> {
         use wire::{chain as c, rule as r, table as t};
-        match self {
+        Ok(match self {
             Command::AddTable(table) | Command::DelTable(table) => {
                 vec![Attr::strz(t::NAME, &table.name)]
             }
+            Command::FlushTable(table) => vec![Attr::strz(r::TABLE, &table.name)],
+            Command::AddSet(s) => {
+                let id = *next_set_id;
+                *next_set_id = id.wrapping_add(1);
+                set::new_set_attrs(s, id)?
+            }
+            Command::DelSet { table, name } => set::del_set_attrs(table, name),
+            Command::AddSetElems(e) => set::elems_attrs(e, true)?,
+            Command::DelSetElems(e) => set::elems_attrs(e, false)?,
+            Command::FlushSet { table, name } => set::flush_set_attrs(table, name),
             Command::AddChain(chain) => {
                 let mut v = vec![
                     Attr::strz(c::TABLE, &chain.table.name),
@@ -314,7 +373,7 @@ impl Command {
                 Attr::strz(r::CHAIN, &rule.chain),
                 Attr::Nested(r::EXPRESSIONS, rule.exprs.iter().map(Expr::attr).collect()),
             ],
-        }
+        })
     }
 }
 
@@ -341,7 +400,30 @@ impl fmt::Display for Command {
                 let kinds: Vec<&str> = r.exprs.iter().map(Expr::kind).collect();
                 write!(f, "add rule {} {} [{}]", r.table, r.chain, kinds.join(" "))
             }
+            Command::FlushTable(t) => write!(f, "flush table {t}"),
+            Command::AddSet(s) => write!(
+                f,
+                "add set {} {} {{ type {} ; }}",
+                s.table,
+                s.name,
+                s.key_type.name()
+            ),
+            Command::DelSet { table, name } => write!(f, "delete set {table} {name}"),
+            Command::AddSetElems(e) => write!(f, "add element {}", ElemList(e)),
+            Command::DelSetElems(e) => write!(f, "delete element {}", ElemList(e)),
+            Command::FlushSet { table, name } => write!(f, "flush set {table} {name}"),
         }
+    }
+}
+
+/// `inet t s { 10.0.0.1 comment "a", 10.0.0.2 }` for error messages.
+struct ElemList<'a>(&'a SetElems);
+
+impl fmt::Display for ElemList<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let e = self.0;
+        let elems: Vec<String> = e.elems.iter().map(ToString::to_string).collect();
+        write!(f, "{} {} {{ {} }}", e.table, e.set, elems.join(", "))
     }
 }
 
@@ -381,9 +463,11 @@ impl Batch {
             &[],
         )?;
         let mut seq = first_seq;
+        let mut set_id = 1;
         for command in &self.commands {
             seq = seq.wrapping_add(1);
-            wire::write_msg(&mut out, command.header(seq), &command.attrs())?;
+            let attrs = command.attrs(&mut set_id)?;
+            wire::write_msg(&mut out, command.header(seq), &attrs)?;
         }
         seq = seq.wrapping_add(1);
         wire::write_msg(&mut out, delimiter(wire::NFNL_MSG_BATCH_END, seq), &[])?;
@@ -465,42 +549,5 @@ impl ReplyCollector {
             Reply::Other { .. } => {}
         }
         Ok(())
-    }
-}
-
-/// Whether `table` exists in the calling thread's network namespace (`NFT_MSG_GETTABLE`).
-pub fn table_exists(table: &Table) -> Result<bool, NftError> {
-    const SEQ: u32 = 1;
-    let sock = NfSocket::open()?;
-    let mut out = Vec::new();
-    let hdr = MsgHeader {
-        ty: wire::nft_type(wire::msg::GETTABLE),
-        flags: wire::NLM_F_REQUEST | wire::NLM_F_ACK,
-        seq: SEQ,
-        family: table.family.nfproto(),
-        res_id: 0,
-    };
-    wire::write_msg(&mut out, hdr, &[Attr::strz(wire::table::NAME, &table.name)])?;
-    sock.send(&out)?;
-    let mut buf = vec![0u8; RECV_BUF_LEN];
-    loop {
-        let Some(n) = sock.recv(&mut buf)? else {
-            return Err(NftError::AckTimeout { missing: 1 });
-        };
-        for reply in wire::parse_replies(&buf[..n])? {
-            match reply {
-                Reply::Ack { seq: SEQ } => return Ok(true),
-                Reply::Error { seq: SEQ, errno } if errno == Errno::ENOENT as i32 => {
-                    return Ok(false);
-                }
-                Reply::Error { seq: SEQ, errno } => {
-                    return Err(NftError::Kernel {
-                        command: format!("get table {table}"),
-                        source: Errno::from_raw(errno),
-                    });
-                }
-                _ => {}
-            }
-        }
     }
 }

@@ -16,10 +16,14 @@
 //! virtual interfaces get their inbound TCP sent to `:15001` first thing in nat `istio-prerouting`,
 //! and DNS capture can be turned on or off for the one pod.
 //!
+//! The host side of probe handling (SNAT of kubelet probes in the node's own netns, spec §4.7) is
+//! [`host::HostProbe`].
+//!
 //! [`render_script`] prints the same rule set as an `nft -f` script (istio-cni's text, for docs and
 //! debugging); [`apply`] installs it. Unlike the script's `add` + `flush`, [`apply`] replaces each
 //! table with `add` + `delete` + `add`, so chains left by older versions disappear as well.
 
+pub mod host;
 mod pod_options;
 mod routing;
 mod rule_spec;

@@ -5,6 +5,9 @@
 //! the kernel compares them in: packet fields (addresses, ports) in network order, `meta mark` /
 //! `ct mark` / `ct zone` in host order, interface names as 16 NUL-padded bytes (IFNAMSIZ).
 
+use std::net::IpAddr;
+
+use super::Family;
 use super::wire::{Attr, expr as a, rule};
 
 /// An nf_tables data register (`enum nft_registers`).
@@ -37,6 +40,9 @@ pub enum MetaKey {
     NfProto,
     /// Layer 4 protocol number (1 byte, e.g. 6 = TCP, 17 = UDP).
     L4Proto,
+    /// UID owning the packet's socket (`meta skuid`, u32 host order; locally generated packets
+    /// only, a packet without a socket ends the rule).
+    SkUid,
 }
 
 /// Keys of the `ct` expression (`enum nft_ct_keys`).
@@ -64,6 +70,15 @@ pub enum CmpOp {
     Eq,
     /// `NFT_CMP_NEQ`.
     Neq,
+}
+
+/// Kind of address translation of the `nat` expression (`enum nft_nat_types`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NatKind {
+    /// `NFT_NAT_SNAT`: rewrite the source (postrouting / input hooks).
+    Snat,
+    /// `NFT_NAT_DNAT`: rewrite the destination (prerouting / output hooks).
+    Dnat,
 }
 
 /// A verdict stored in the verdict register.
@@ -162,6 +177,26 @@ pub enum Expr {
         /// Register holding the port (`NFTA_REDIR_REG_PROTO_MIN`).
         proto_min: Register,
     },
+    /// `lookup reg <sreg> set <set>`: the rule goes on only when the register's value is an
+    /// element of the named set of the rule's table.
+    Lookup {
+        /// Register holding the key (its width is the set's key length).
+        sreg: Register,
+        /// Set name.
+        set: String,
+    },
+    /// `nat <kind> <family> addr_min reg <addr_min>`: translate to the address in the register
+    /// (4 bytes for [`Family::Ip`], 16 for [`Family::Ip6`], network order). Only in `nat` chains.
+    Nat {
+        /// Source or destination translation.
+        kind: NatKind,
+        /// Address family of the translation: [`Family::Ip`] or [`Family::Ip6`] (in an `inet`
+        /// table each rule translates one family; with an address the kernel rejects
+        /// [`Family::Inet`] with EAFNOSUPPORT).
+        family: Family,
+        /// Register holding the address.
+        addr_min: Register,
+    },
 }
 
 // === impl Register ===
@@ -190,6 +225,7 @@ impl MetaKey {
             MetaKey::OifName => 7,
             MetaKey::NfProto => 15,
             MetaKey::L4Proto => 16,
+            MetaKey::SkUid => 10,
         }
     }
 }
@@ -220,6 +256,16 @@ impl CmpOp {
         match self {
             CmpOp::Eq => 0,
             CmpOp::Neq => 1,
+        }
+    }
+}
+
+impl NatKind {
+    /// The `enum nft_nat_types` value.
+    pub fn number(self) -> u32 {
+        match self {
+            NatKind::Snat => 0,
+            NatKind::Dnat => 1,
         }
     }
 }
@@ -260,6 +306,41 @@ impl Expr {
         }
     }
 
+    /// `snat to <addr>` as nft encodes it: the address into `reg` (`immediate`), then `nat snat`
+    /// of the address's family from that register.
+    pub fn snat_to(addr: IpAddr, reg: Register) -> [Expr; 2] {
+        let (family, bytes) = match addr {
+            IpAddr::V4(a) => (Family::Ip, a.octets().to_vec()),
+            IpAddr::V6(a) => (Family::Ip6, a.octets().to_vec()),
+        };
+        [
+            Expr::Immediate {
+                dreg: reg,
+                data: ImmediateData::Value(bytes),
+            },
+            Expr::Nat {
+                kind: NatKind::Snat,
+                family,
+                addr_min: reg,
+            },
+        ]
+    }
+
+    /// The constant the expression carries, as a rule listing reports it
+    /// ([`super::RuleSummary::constants`]): the data a `cmp` compares against, the value an
+    /// `immediate` loads (not verdicts), the set name of a `lookup`. `None` for the others.
+    pub fn constant(&self) -> Option<Vec<u8>> {
+        match self {
+            Expr::Cmp { data, .. } => Some(data.clone()),
+            Expr::Immediate {
+                data: ImmediateData::Value(v),
+                ..
+            } => Some(v.clone()),
+            Expr::Lookup { set, .. } => Some(set.as_bytes().to_vec()),
+            _ => None,
+        }
+    }
+
     /// The kernel expression type name (`NFTA_EXPR_NAME`).
     pub fn kind(&self) -> &'static str {
         match self {
@@ -271,6 +352,8 @@ impl Expr {
             Expr::Ct { .. } | Expr::CtSet { .. } => "ct",
             Expr::Counter => "counter",
             Expr::Redir { .. } => "redir",
+            Expr::Lookup { .. } => "lookup",
+            Expr::Nat { .. } => "nat",
         }
     }
 
@@ -351,6 +434,21 @@ impl Expr {
                 // The kernel overwrites its flags with this attribute, so the "port given" flag must
                 // be sent explicitly (as nft does).
                 Attr::be32(a::REDIR_FLAGS, a::NF_NAT_RANGE_PROTO_SPECIFIED),
+            ],
+            // nft also sends NFTA_LOOKUP_SET_ID, which the kernel only consults for a set it cannot
+            // find by name (anonymous sets); a named set is always found by name, also when it is
+            // created earlier in the same batch.
+            Expr::Lookup { sreg, set } => {
+                vec![reg(a::LOOKUP_SREG, sreg), Attr::strz(a::LOOKUP_SET, set)]
+            }
+            Expr::Nat {
+                kind,
+                family,
+                addr_min,
+            } => vec![
+                Attr::be32(a::NAT_TYPE, kind.number()),
+                Attr::be32(a::NAT_FAMILY, u32::from(family.nfproto())),
+                reg(a::NAT_REG_ADDR_MIN, addr_min),
             ],
         }
     }

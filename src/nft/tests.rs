@@ -5,12 +5,12 @@ use super::wire::{self, Attr, Reply};
 use super::*;
 
 /// An `nlattr` header: length and type (with the nested flag when `nested`).
-fn h(len: u16, ty: u16, nested: bool) -> Vec<u8> {
+pub(super) fn h(len: u16, ty: u16, nested: bool) -> Vec<u8> {
     let ty = if nested { ty | wire::NLA_F_NESTED } else { ty };
     [len.to_ne_bytes(), ty.to_ne_bytes()].concat()
 }
 
-fn encode(e: &Expr) -> Vec<u8> {
+pub(super) fn encode(e: &Expr) -> Vec<u8> {
     let mut out = Vec::new();
     e.attr().write(&mut out).expect("encode");
     out
@@ -311,10 +311,10 @@ fn sample_batch() -> Batch {
 }
 
 /// One decoded message: (type, flags, seq, nfgenmsg bytes, attributes).
-type Msg = (u16, u16, u32, [u8; 4], Vec<u8>);
+pub(super) type Msg = (u16, u16, u32, [u8; 4], Vec<u8>);
 
 /// Splits an encoded batch into messages.
-fn split(buf: &[u8]) -> Vec<Msg> {
+pub(super) fn split(buf: &[u8]) -> Vec<Msg> {
     let mut out = Vec::new();
     let mut rest = buf;
     while !rest.is_empty() {
@@ -470,7 +470,7 @@ fn error_on_begin_fails_the_batch() {
 }
 
 /// Runs `f` on a thread that has its own fresh network namespace (nothing touches the caller's).
-fn in_fresh_netns<R: Send>(f: impl FnOnce() -> R + Send) -> Option<R> {
+pub(super) fn in_fresh_netns<R: Send>(f: impl FnOnce() -> R + Send) -> Option<R> {
     if !nix::unistd::geteuid().is_root() {
         assert!(std::env::var_os("CI").is_none(), "root required under CI");
         eprintln!("SKIP: nf_tables kernel test needs root");

@@ -13,13 +13,21 @@ pub(crate) const NLMSG_HDRLEN: usize = 16;
 pub(crate) const NLA_HDRLEN: usize = 4;
 /// `NLMSG_ERROR`: ack (error 0) or error reply.
 pub(crate) const NLMSG_ERROR: u16 = 2;
+/// `NLMSG_DONE`: end of a dump.
+pub(crate) const NLMSG_DONE: u16 = 3;
 
 pub(crate) const NLM_F_REQUEST: u16 = 0x1;
 pub(crate) const NLM_F_ACK: u16 = 0x4;
 pub(crate) const NLM_F_CREATE: u16 = 0x400;
 pub(crate) const NLM_F_APPEND: u16 = 0x800;
+/// `NLM_F_ROOT | NLM_F_MATCH`: return every matching object.
+pub(crate) const NLM_F_DUMP: u16 = 0x300;
+/// Set on dump messages when the ruleset changed while the dump ran (the dump is inconsistent).
+pub(crate) const NLM_F_DUMP_INTR: u16 = 0x10;
 /// Marks an attribute whose payload is a list of attributes.
 pub(crate) const NLA_F_NESTED: u16 = 0x8000;
+/// Marks an attribute whose payload is in network byte order (ignored when parsing).
+pub(crate) const NLA_F_NET_BYTEORDER: u16 = 0x4000;
 
 /// `NFNL_SUBSYS_NFTABLES`: high byte of every nf_tables message type and the batch `res_id`.
 pub(crate) const NFNL_SUBSYS_NFTABLES: u16 = 10;
@@ -39,6 +47,14 @@ pub(crate) mod msg {
     pub(crate) const DELTABLE: u16 = 2;
     pub(crate) const NEWCHAIN: u16 = 3;
     pub(crate) const NEWRULE: u16 = 6;
+    pub(crate) const GETRULE: u16 = 7;
+    pub(crate) const DELRULE: u16 = 8;
+    pub(crate) const NEWSET: u16 = 9;
+    pub(crate) const GETSET: u16 = 10;
+    pub(crate) const DELSET: u16 = 11;
+    pub(crate) const NEWSETELEM: u16 = 12;
+    pub(crate) const GETSETELEM: u16 = 13;
+    pub(crate) const DELSETELEM: u16 = 14;
 }
 
 /// `enum nft_table_attributes`.
@@ -60,10 +76,36 @@ pub(crate) mod chain {
 pub(crate) mod rule {
     pub(crate) const TABLE: u16 = 1;
     pub(crate) const CHAIN: u16 = 2;
+    pub(crate) const HANDLE: u16 = 3;
     pub(crate) const EXPRESSIONS: u16 = 4;
     pub(crate) const LIST_ELEM: u16 = 1;
     pub(crate) const EXPR_NAME: u16 = 1;
     pub(crate) const EXPR_DATA: u16 = 2;
+}
+
+/// `enum nft_set_attributes`, `enum nft_set_elem_list_attributes`, `enum nft_set_elem_attributes`
+/// and the `libnftnl` user data (TLV) types nft stores in them.
+pub(crate) mod set {
+    pub(crate) const TABLE: u16 = 1;
+    pub(crate) const NAME: u16 = 2;
+    pub(crate) const FLAGS: u16 = 3;
+    pub(crate) const KEY_TYPE: u16 = 4;
+    pub(crate) const KEY_LEN: u16 = 5;
+    pub(crate) const ID: u16 = 10;
+    pub(crate) const USERDATA: u16 = 13;
+    pub(crate) const ELEM_LIST_TABLE: u16 = 1;
+    pub(crate) const ELEM_LIST_SET: u16 = 2;
+    pub(crate) const ELEM_LIST_ELEMENTS: u16 = 3;
+    pub(crate) const ELEM_KEY: u16 = 1;
+    pub(crate) const ELEM_USERDATA: u16 = 6;
+    /// `NFTNL_UDATA_SET_KEYBYTEORDER` (value: u32 host order, nft's `BYTEORDER_BIG_ENDIAN` = 2).
+    pub(crate) const UDATA_SET_KEYBYTEORDER: u8 = 0;
+    /// `NFTNL_UDATA_SET_COMMENT` (NUL-terminated).
+    pub(crate) const UDATA_SET_COMMENT: u8 = 7;
+    /// `NFTNL_UDATA_SET_ELEM_COMMENT` (NUL-terminated).
+    pub(crate) const UDATA_SET_ELEM_COMMENT: u8 = 0;
+    /// nft's `BYTEORDER_BIG_ENDIAN`.
+    pub(crate) const BYTEORDER_BIG_ENDIAN: u32 = 2;
 }
 
 /// Per-expression attributes (`enum nft_*_attributes`) and value enums.
@@ -103,6 +145,13 @@ pub(crate) mod expr {
     /// `enum nft_redir_attributes`.
     pub(crate) const REDIR_REG_PROTO_MIN: u16 = 1;
     pub(crate) const REDIR_FLAGS: u16 = 3;
+    /// `enum nft_lookup_attributes`.
+    pub(crate) const LOOKUP_SET: u16 = 1;
+    pub(crate) const LOOKUP_SREG: u16 = 2;
+    /// `enum nft_nat_attributes`.
+    pub(crate) const NAT_TYPE: u16 = 1;
+    pub(crate) const NAT_FAMILY: u16 = 2;
+    pub(crate) const NAT_REG_ADDR_MIN: u16 = 3;
     /// `NF_NAT_RANGE_PROTO_SPECIFIED` (linux/netfilter/nf_nat.h).
     pub(crate) const NF_NAT_RANGE_PROTO_SPECIFIED: u32 = 1 << 1;
 }
@@ -224,8 +273,40 @@ pub(crate) enum Reply {
     Other { seq: u32, ty: u16 },
 }
 
-/// Splits a received datagram into [`Reply`]s.
-pub(crate) fn parse_replies(buf: &[u8]) -> Result<Vec<Reply>, NftError> {
+/// One received netlink message, borrowed from the datagram.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RawMsg<'a> {
+    /// `nlmsg_type`.
+    pub ty: u16,
+    /// `nlmsg_flags`.
+    pub flags: u16,
+    /// `nlmsg_seq`.
+    pub seq: u32,
+    /// Everything after the `nlmsghdr` (for nf_tables objects: `nfgenmsg`, then attributes).
+    pub payload: &'a [u8],
+}
+
+impl RawMsg<'_> {
+    /// The message as a [`Reply`].
+    pub(crate) fn reply(&self) -> Result<Reply, NftError> {
+        let seq = self.seq;
+        if self.ty != NLMSG_ERROR {
+            return Ok(Reply::Other { seq, ty: self.ty });
+        }
+        let code = read_u32(self.payload, 0)? as i32;
+        Ok(if code == 0 {
+            Reply::Ack { seq }
+        } else {
+            Reply::Error {
+                seq,
+                errno: code.saturating_neg(),
+            }
+        })
+    }
+}
+
+/// Splits a received datagram into its messages.
+pub(crate) fn split_msgs(buf: &[u8]) -> Result<Vec<RawMsg<'_>>, NftError> {
     let mut out = Vec::new();
     let mut rest = buf;
     while rest.len() >= NLMSG_HDRLEN {
@@ -235,24 +316,52 @@ pub(crate) fn parse_replies(buf: &[u8]) -> Result<Vec<Reply>, NftError> {
                 what: "nlmsg_len out of range",
             });
         }
-        let ty = read_u16(rest, 4)?;
-        let seq = read_u32(rest, 8)?;
-        if ty == NLMSG_ERROR {
-            let code = read_u32(rest, NLMSG_HDRLEN)? as i32;
-            out.push(if code == 0 {
-                Reply::Ack { seq }
-            } else {
-                Reply::Error {
-                    seq,
-                    errno: code.saturating_neg(),
-                }
-            });
-        } else {
-            out.push(Reply::Other { seq, ty });
-        }
+        out.push(RawMsg {
+            ty: read_u16(rest, 4)?,
+            flags: read_u16(rest, 6)?,
+            seq: read_u32(rest, 8)?,
+            payload: &rest[NLMSG_HDRLEN..len],
+        });
         rest = &rest[align4(len).min(rest.len())..];
     }
     Ok(out)
+}
+
+/// Splits a received datagram into [`Reply`]s.
+pub(crate) fn parse_replies(buf: &[u8]) -> Result<Vec<Reply>, NftError> {
+    split_msgs(buf)?.iter().map(RawMsg::reply).collect()
+}
+
+/// Splits an attribute stream into (type without flags, payload) pairs.
+pub(crate) fn parse_attrs(buf: &[u8]) -> Result<Vec<(u16, &[u8])>, NftError> {
+    let mut out = Vec::new();
+    let mut rest = buf;
+    while rest.len() >= NLA_HDRLEN {
+        let len = usize::from(read_u16(rest, 0)?);
+        if len < NLA_HDRLEN || len > rest.len() {
+            return Err(NftError::MalformedReply {
+                what: "nla_len out of range",
+            });
+        }
+        let ty = read_u16(rest, 2)? & !(NLA_F_NESTED | NLA_F_NET_BYTEORDER);
+        out.push((ty, &rest[NLA_HDRLEN..len]));
+        rest = &rest[align4(len).min(rest.len())..];
+    }
+    Ok(out)
+}
+
+/// The payload of the first attribute of type `ty`.
+pub(crate) fn find_attr<'a>(attrs: &[(u16, &'a [u8])], ty: u16) -> Option<&'a [u8]> {
+    attrs.iter().find(|(t, _)| *t == ty).map(|(_, p)| *p)
+}
+
+/// A NUL-terminated (or unterminated) string attribute payload.
+pub(crate) fn attr_str(payload: &[u8]) -> String {
+    let end = payload
+        .iter()
+        .position(|b| *b == 0)
+        .unwrap_or(payload.len());
+    String::from_utf8_lossy(&payload[..end]).into_owned()
 }
 
 fn read_u32(b: &[u8], at: usize) -> Result<u32, NftError> {

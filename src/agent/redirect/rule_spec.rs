@@ -63,6 +63,14 @@ pub(super) enum Match {
     MetaMark { mask: u32, value: u32, negate: bool },
     /// `ct mark and 0xfff == 0x111`.
     CtMark { mask: u32, value: u32 },
+    /// `skuid 1000`: the packet's socket belongs to this UID (bare, as in istio-cni's script).
+    SkUid(u32),
+    /// `ip daddr @set` / `ip6 saddr @set`: the address is an element of the named set.
+    AddrInSet {
+        dir: Dir,
+        v6: bool,
+        set: &'static str,
+    },
 }
 
 /// What a matching rule does.
@@ -84,6 +92,8 @@ pub(super) enum Action {
     MetaMarkFromCt,
     /// `ct zone set <zone>`.
     CtZoneSet(u16),
+    /// `snat to <addr>` (nat chains at postrouting / input only).
+    Snat(IpAddr),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -236,6 +246,12 @@ impl Match {
                 format!("meta mark and {mask:#x} {op} {value:#x}")
             }
             Match::CtMark { mask, value } => format!("ct mark and {mask:#x} == {value:#x}"),
+            Match::SkUid(uid) => format!("skuid {uid}"),
+            Match::AddrInSet { dir, v6, set } => {
+                let fam = if *v6 { "ip6" } else { "ip" };
+                let d = if *dir == Dir::Src { "saddr" } else { "daddr" };
+                format!("{fam} {d} @{set}")
+            }
         }
     }
 
@@ -338,6 +354,26 @@ impl Match {
                 };
                 masked_mark(load, *mask, *value, false)
             }
+            Match::SkUid(uid) => meta_eq(MetaKey::SkUid, uid.to_ne_bytes().to_vec()).to_vec(),
+            Match::AddrInSet { dir, v6, set } => {
+                let (nfproto, len, src_off, dst_off) = if *v6 {
+                    (10u8, 16, 8, 24)
+                } else {
+                    (2u8, 4, 12, 16)
+                };
+                let mut v = meta_eq(MetaKey::NfProto, vec![nfproto]).to_vec();
+                v.push(Expr::Payload {
+                    base: PayloadBase::Network,
+                    offset: if *dir == Dir::Src { src_off } else { dst_off },
+                    len,
+                    dreg: REG,
+                });
+                v.push(Expr::Lookup {
+                    sreg: REG,
+                    set: (*set).into(),
+                });
+                v
+            }
         }
     }
 }
@@ -356,6 +392,7 @@ impl Action {
             }
             Action::MetaMarkFromCt => "meta mark set ct mark".into(),
             Action::CtZoneSet(z) => format!("ct zone set {z}"),
+            Action::Snat(addr) => format!("snat to {addr}"),
         }
     }
 
@@ -405,6 +442,7 @@ impl Action {
                     sreg: REG,
                 },
             ],
+            Action::Snat(addr) => Expr::snat_to(*addr, REG).to_vec(),
         }
     }
 }

@@ -6,11 +6,11 @@ use super::*;
 use crate::agent::enroll::{InterfaceName, PodOptions};
 
 /// The v6 probe address istio-cni's unit tests use in `*_ipv6.golden`.
-const ISTIO_TEST_PROBE_V6: Ipv6Addr = Ipv6Addr::new(
+pub(super) const ISTIO_TEST_PROBE_V6: Ipv6Addr = Ipv6Addr::new(
     0xe9ac, 0x1e77, 0x90ca, 0x399f, 0x4d6d, 0xece2, 0x2f9b, 0x3164,
 );
 
-fn istio_golden(name: &str) -> String {
+pub(super) fn istio_golden(name: &str) -> String {
     let path = format!(
         "{}/../shared/testdata/istio-nftables/{name}",
         env!("CARGO_MANIFEST_DIR")
@@ -21,7 +21,7 @@ fn istio_golden(name: &str) -> String {
 /// Spelling-insensitive form of an nft script line: single spaces, `&`/`|` as `and`/`or`, a bare
 /// `mark` (nft's shorthand) written as `meta mark`, and names unquoted (`iifname "eth1"` is
 /// `iifname eth1`).
-fn normalize(script: &str) -> Vec<String> {
+pub(super) fn normalize(script: &str) -> Vec<String> {
     script
         .lines()
         .filter(|l| !l.trim().is_empty())
