@@ -60,9 +60,19 @@ pub struct KubeMode {
     /// The enrollment rules (the plugin's are the same).
     pub rules: EnrollmentRules,
     /// Where the host's procfs is (`/proc`, or `/host/proc` in a container): running pods' netns
-    /// are found there.
+    /// are found there, and the kubelet.
     pub proc_root: PathBuf,
+    /// The kubelet's UID, whose probes to enrolled pods are SNATed (`None`: found in
+    /// `proc_root`).
+    pub kubelet_uid: Option<u32>,
 }
+
+/// Host probe rule attempts at start and the pause between them (istio-cni: 10 × 2 s, then the
+/// agent does not start).
+const HOST_PROBE_ATTEMPTS: u32 = 10;
+const HOST_PROBE_RETRY: std::time::Duration = std::time::Duration::from_secs(2);
+/// How often the host probe rules are checked and repaired.
+const HOST_PROBE_RECHECK: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Settings of the node agent.
 #[derive(Debug, Clone)]
@@ -91,6 +101,12 @@ pub enum AgentError {
     /// The agent's own netns (the host's) could not be read.
     #[error("own netns: {0}")]
     Netns(#[from] crate::netns::NetnsError),
+    /// The kubelet was not found (its UID selects the probes to SNAT).
+    #[error(transparent)]
+    Kubelet(#[from] redirect::host::KubeletUidError),
+    /// The host probe rules could not be installed.
+    #[error(transparent)]
+    HostProbe(#[from] redirect::host::HostProbeError),
 }
 
 /// A started agent (see [`start`]).
@@ -129,9 +145,17 @@ pub async fn start(
             let rules = Arc::new(mode.rules);
             let policy = KubePolicy::new(watches.clone(), client.clone(), rules.clone());
             tracing::info!(node = %mode.settings.node_name, "Kubernetes mode: watching the node's pods and all namespaces");
+            let uid = redirect::host::resolve_kubelet_uid(mode.kubelet_uid, &mode.proc_root)?;
+            let probe = Arc::new(redirect::host::HostProbe {
+                ipv6: cfg.redirect.ipv6,
+                probe_v4: cfg.redirect.probe_v4,
+                probe_v6: cfg.redirect.probe_v6,
+                ..redirect::host::HostProbe::new(uid)
+            });
+            install_host_probe(&probe).await?;
             (
                 Arc::new(policy),
-                Some((client, watches, rules, changes_rx, mode.proc_root)),
+                Some((client, watches, rules, changes_rx, mode.proc_root, probe)),
             )
         }
     };
@@ -139,7 +163,14 @@ pub async fn start(
     pods.restore(&cfg.run_dir)
         .await
         .map_err(AgentError::Restore)?;
-    if let Some((client, watches, rules, changes, proc_root)) = kube_mode {
+    if let Some((client, watches, rules, changes, proc_root, probe)) = kube_mode {
+        pods.set_host_probe(probe.clone());
+        pods.sync_host_probe().await?;
+        tokio::spawn(repair_host_probe(
+            probe,
+            pods.clone(),
+            stopped(stop_rx.clone()),
+        ));
         let (local_tx, local_rx) = tokio::sync::mpsc::unbounded_channel();
         pods.set_change_hook(local_tx);
         let reconciler = Reconciler::new(pods.clone(), watches, client, rules, proc_root)?;
@@ -178,6 +209,62 @@ pub async fn start(
         server_task,
         sock_path,
     })
+}
+
+/// Installs the host probe rules in the agent's (host) netns, retrying as istio-cni does.
+async fn install_host_probe(probe: &Arc<redirect::host::HostProbe>) -> Result<(), AgentError> {
+    let mut attempt = 1;
+    loop {
+        let p = probe.clone();
+        let res = tokio::task::spawn_blocking(move || p.apply())
+            .await
+            .unwrap_or(Ok(()));
+        match res {
+            Ok(()) => {
+                tracing::info!(
+                    kubelet_uid = probe.kubelet_uid,
+                    "host probe SNAT rules installed"
+                );
+                return Ok(());
+            }
+            Err(e) if attempt >= HOST_PROBE_ATTEMPTS => return Err(e.into()),
+            Err(e) => {
+                tracing::warn!(error = %e, attempt, "host probe rules failed; retrying");
+                attempt += 1;
+                tokio::time::sleep(HOST_PROBE_RETRY).await;
+            }
+        }
+    }
+}
+
+/// Puts the host probe rules and sets back when someone flushed or deleted them.
+async fn repair_host_probe(
+    probe: Arc<redirect::host::HostProbe>,
+    pods: Arc<PodManager>,
+    shutdown: impl Future<Output = ()>,
+) {
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => return,
+            _ = tokio::time::sleep(HOST_PROBE_RECHECK) => {}
+        }
+        let p = probe.clone();
+        let applied = tokio::task::spawn_blocking(move || p.is_applied()).await;
+        if matches!(applied, Ok(Ok(true))) {
+            continue;
+        }
+        tracing::warn!("host probe rules are missing or changed; repairing");
+        let p = probe.clone();
+        let res = match tokio::task::spawn_blocking(move || p.apply()).await {
+            Ok(Ok(())) => pods.sync_host_probe().await,
+            Ok(Err(e)) => Err(e),
+            Err(_) => Ok(()),
+        };
+        if let Err(e) = res {
+            tracing::warn!(error = %e, "repairing the host probe rules failed");
+        }
+    }
 }
 
 impl Agent {

@@ -73,6 +73,10 @@ struct AgentOpts {
     /// when the agent runs in a container).
     #[arg(long, env = "HOST_PROC", default_value = "/proc")]
     proc_root: PathBuf,
+    /// The kubelet's UID, whose probes to enrolled pods are SNATed to 169.254.7.127 (Kubernetes
+    /// mode; default: found in the host's procfs).
+    #[arg(long, env = "KUBELET_UID")]
+    kubelet_uid: Option<u32>,
 }
 
 /// Options of the proxy half (`node`, `proxy`).
@@ -355,6 +359,7 @@ fn kube_mode(a: &AgentOpts) -> anyhow::Result<Option<KubeMode>> {
         settings: KubeSettings { access, node_name },
         rules,
         proc_root: a.proc_root.clone(),
+        kubelet_uid: a.kubelet_uid,
     }))
 }
 

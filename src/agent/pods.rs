@@ -28,6 +28,7 @@ use serde::Serialize;
 
 use crate::agent::enroll::{Enrollment, EnrollmentPolicy, PodOptions, PolicyError};
 use crate::agent::proxy_link::WorkloadSink;
+use crate::agent::redirect::host::HostProbe;
 use crate::agent::redirect::{self, RedirectPlan};
 use crate::netns::{Netns, NetnsError};
 use crate::podevent::{PodAddEvent, PodDelEvent};
@@ -159,6 +160,7 @@ pub struct PodManager {
     table: Mutex<Table>,
     store: OnceLock<Arc<Store>>,
     changes: OnceLock<mpsc::UnboundedSender<(String, String)>>,
+    host_probe: OnceLock<Arc<HostProbe>>,
 }
 
 /// A pod to enroll, found by the plugin's event or, in Kubernetes mode, by the reconciler.
@@ -208,6 +210,7 @@ impl PodManager {
             table: Mutex::new(Table::default()),
             store: OnceLock::new(),
             changes: OnceLock::new(),
+            host_probe: OnceLock::new(),
         }
     }
 
@@ -465,8 +468,10 @@ impl PodManager {
             "pod enrolled, proxy serving it"
         );
         entry.pending = false;
-        let snapshot = self.update(|pods| pods.insert(uid, entry)).1;
+        let ips = entry.ips.clone();
+        let snapshot = self.update(|pods| pods.insert(uid.clone(), entry)).1;
         self.persist(snapshot).await;
+        self.probe_set(&uid, ips, true).await;
         self.notify(&info);
         Ok(AddOutcome::Enrolled)
     }
@@ -538,6 +543,7 @@ impl PodManager {
             .1;
         self.persist(snapshot).await;
         tracing::info!(pod = %name, %uid, "proxy took the pending pod");
+        self.probe_set(uid, pod.ips.clone(), true).await;
         self.notify(&pod.info);
         Ok(())
     }
@@ -564,9 +570,54 @@ impl PodManager {
         }
     }
 
+    /// Programs kubelet probe SNAT for enrolled pods in the host netns (Kubernetes mode, spec
+    /// §4.7): each enrolled pod's IPs join the probe sets and leave them with the pod. Only the
+    /// first call takes effect.
+    pub fn set_host_probe(&self, probe: Arc<HostProbe>) {
+        let _ = self.host_probe.set(probe);
+    }
+
+    /// Makes the host probe sets hold exactly the enrolled pods' IPs (at start, and after the
+    /// rules were repaired). Errors: the host rules are missing or nf_tables failed.
+    pub async fn sync_host_probe(&self) -> Result<(), redirect::host::HostProbeError> {
+        let Some(probe) = self.host_probe.get().cloned() else {
+            return Ok(());
+        };
+        let pods: Vec<(String, Vec<IpAddr>)> = self
+            .table()
+            .pods
+            .values()
+            .map(|p| (p.uid.clone(), p.ips.clone()))
+            .collect();
+        tokio::task::spawn_blocking(move || probe.sync(&pods))
+            .await
+            .unwrap_or(Ok(()))
+    }
+
+    /// Adds (or removes) a pod's IPs to (from) the host probe sets; a failure is logged (the
+    /// repair loop re-syncs).
+    async fn probe_set(&self, uid: &str, ips: Vec<IpAddr>, add: bool) {
+        let Some(probe) = self.host_probe.get().cloned() else {
+            return;
+        };
+        let owned = uid.to_owned();
+        let res = tokio::task::spawn_blocking(move || {
+            if add {
+                probe.add_pod(&owned, &ips)
+            } else {
+                probe.remove_pod(&owned, &ips).map(|_| ())
+            }
+        })
+        .await;
+        if let Ok(Err(e)) = res {
+            tracing::warn!(%uid, error = %e, "updating the host probe set failed");
+        }
+    }
+
     /// Removes a pod taken out of the table: its rules (when asked and its netns still exists),
     /// then the proxy's copy.
     async fn release(&self, pod: EnrolledPod, remove_rules: bool) -> Result<(), PodError> {
+        self.probe_set(&pod.uid, pod.ips.clone(), false).await;
         let name = format!("{}/{}", pod.info.namespace, pod.info.name);
         if remove_rules && Path::new(&pod.netns).exists() {
             let ns = pod.handle.clone();
