@@ -211,17 +211,28 @@ impl Lab {
         &self.runner
     }
 
+    /// The pod UID [`Lab::add_pod`] gives pod `name` (`K8S_POD_UID`): stable for this lab and
+    /// process, so a test can create the pod in an API server first.
+    pub fn pod_uid(&self, name: &str) -> String {
+        format!(
+            "{:08x}-0000-4000-8000-{:012x}",
+            std::process::id(),
+            fxhash(&format!("{}-{}", self.opts.prefix, name))
+        )
+    }
+
+    /// The netns name [`Lab::add_pod`] gives pod `name` (under `/var/run/netns/`).
+    pub fn pod_netns_name(&self, name: &str) -> String {
+        format!("{}-{}", self.opts.prefix, name)
+    }
+
     /// Creates a pod netns and runs CNI ADD for it through the chain.
     pub fn add_pod(&self, name: &str, namespace: &str) -> Result<Pod, LabError> {
         let netns_name = format!("{}-{}", self.opts.prefix, name);
         let _ = ip(&["netns", "del", &netns_name]);
         ip(&["netns", "add", &netns_name])?;
         ip(&["-n", &netns_name, "link", "set", "lo", "up"])?;
-        let uid = format!(
-            "{:08x}-0000-4000-8000-{:012x}",
-            std::process::id(),
-            fxhash(&netns_name)
-        );
+        let uid = self.pod_uid(name);
         let netns_path = PathBuf::from(format!("/var/run/netns/{netns_name}"));
         let att = self.attachment(&netns_name, &netns_path, name, namespace, &uid);
         let (result, add_timings) = match self.runner.add_timed(&att) {

@@ -95,9 +95,14 @@ impl MeshNode {
 
     /// Waits until the log has a line matching all `needles`; returns it.
     pub fn wait_log(&self, needles: &[&str], timeout: Duration) -> String {
+        MeshNode::wait_log_in(&self.log, needles, timeout)
+    }
+
+    /// The first line of the log at `path` holding every needle, waiting up to `timeout`.
+    pub fn wait_log_in(path: &std::path::Path, needles: &[&str], timeout: Duration) -> String {
         let deadline = Instant::now() + timeout;
         loop {
-            let text = self.log_text();
+            let text = std::fs::read_to_string(path).unwrap_or_default();
             if let Some(l) = text.lines().find(|l| needles.iter().all(|n| l.contains(n))) {
                 return l.to_owned();
             }

@@ -14,8 +14,10 @@
 //! and the status annotation follows: `enabled`, `pending` or none. A failed step is retried with
 //! exponential backoff per pod (5 ms doubling to 5 s, unlimited, as Istio's work queue); every step
 //! is idempotent. After each complete list of the pods, every pod of the store and of the pod table
-//! is looked at (pods deleted while the agent was down or the watch was broken are cleaned up);
-//! the first such pass completes the readiness task.
+//! is looked at (pods deleted while the agent was down or the watch was broken are cleaned up).
+//! The readiness task completes once both lists are in and no pod is failing (so every pod that
+//! should be in the mesh is captured before the node reports ready), or [`READY_GRACE`] after the
+//! lists if some pod keeps failing.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::path::PathBuf;
@@ -41,6 +43,9 @@ use crate::zds::WorkloadInfo;
 pub const RETRY_MIN: Duration = Duration::from_millis(5);
 /// Longest retry delay.
 pub const RETRY_MAX: Duration = Duration::from_secs(5);
+/// How long pods that keep failing after the first complete list hold readiness back; after it
+/// the node turns ready with a warning naming them (so one broken pod cannot stall a rollout).
+pub const READY_GRACE: Duration = Duration::from_secs(60);
 
 /// A pod's `(namespace, name)`.
 type PodKey = (String, String);
@@ -157,8 +162,8 @@ impl Reconciler {
         })
     }
 
-    /// Runs until `shutdown` resolves or both inputs close. `synced` is done after the first
-    /// complete pass over the node's pods.
+    /// Runs until `shutdown` resolves or both inputs close. `synced` is done once the first lists
+    /// are in and no pod is failing, or [`READY_GRACE`] after the lists.
     pub async fn run(
         self,
         mut changes: mpsc::UnboundedReceiver<Change>,
@@ -170,6 +175,7 @@ impl Reconciler {
         let mut queue = Queue::default();
         let (mut pods_listed, mut namespaces_listed) = (false, false);
         let mut synced = Some(synced);
+        let mut listed_at: Option<Instant> = None;
         loop {
             let next = queue.next_retry();
             tokio::select! {
@@ -204,15 +210,28 @@ impl Reconciler {
                     }
                 }
             }
-            if pods_listed
-                && namespaces_listed
-                && let Some(task) = synced.take()
-            {
-                tracing::info!(
-                    enrolled = self.pods.enrolled().len(),
-                    "first Kubernetes reconcile done"
-                );
-                task.done();
+            if pods_listed && namespaces_listed && synced.is_some() {
+                let since = *listed_at.get_or_insert_with(Instant::now);
+                let failing: Vec<String> = queue
+                    .retries
+                    .keys()
+                    .map(|(ns, name)| format!("{ns}/{name}"))
+                    .collect();
+                if failing.is_empty() || since.elapsed() >= READY_GRACE {
+                    if !failing.is_empty() {
+                        tracing::warn!(
+                            ?failing,
+                            "ready although these pods still fail to reconcile"
+                        );
+                    }
+                    tracing::info!(
+                        enrolled = self.pods.enrolled().len(),
+                        "first Kubernetes reconcile done"
+                    );
+                    if let Some(task) = synced.take() {
+                        task.done();
+                    }
+                }
             }
         }
     }
