@@ -97,6 +97,11 @@ struct ProxyOpts {
     /// Metrics address (`/metrics`).
     #[arg(long, default_value_t = mesh::DEFAULT_METRICS_ADDR)]
     metrics_addr: SocketAddr,
+    /// Serve pods the workload source does not list with the identity the agent handed over
+    /// (on by itself in Kubernetes mode for `ztnode node`; for a separate proxy of a
+    /// Kubernetes-mode agent).
+    #[arg(long)]
+    identity_from_handoff: bool,
 }
 
 /// `ztnode proxy` / `ztunnel`.
@@ -307,10 +312,12 @@ fn run(cmd: Cmd) -> anyhow::Result<i32> {
             runtime::init_tracing();
             runtime::raise_nofile_limit();
             let kube = kube_mode(&agent)?;
+            let mut proxy = proxy_config(&proxy, &mesh, &agent.dirs.run_dir);
+            proxy.identity_from_handoff |= kube.is_some();
             let cfg = ztnode::node::NodeConfig {
                 config: local_config(config, &kube)?,
                 kube,
-                proxy: proxy_config(&proxy, &mesh, &agent.dirs.run_dir),
+                proxy,
                 agent: agent_config(&agent, &mesh)?,
             };
             runtime::build()?.block_on(ztnode::node::run(cfg, runtime::shutdown_signal()))?;
@@ -384,6 +391,7 @@ fn proxy_config(p: &ProxyOpts, m: &MeshOpts, run_dir: &std::path::Path) -> Proxy
         admin_addr: p.admin_addr,
         readiness_addr: p.readiness_addr,
         metrics_addr: p.metrics_addr,
+        identity_from_handoff: p.identity_from_handoff,
     }
 }
 

@@ -8,6 +8,7 @@
 //! the crate's only `setns` calls.
 
 use std::fs::File;
+use std::net::IpAddr;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -39,6 +40,15 @@ pub enum NetnsError {
     /// The helper thread could not be spawned or panicked.
     #[error("netns helper thread failed: {0}")]
     Thread(String),
+    /// Listing the interface addresses inside failed (`getifaddrs(3)`).
+    #[error("list interface addresses in netns {id}: {source}")]
+    Addrs {
+        /// Identity of the namespace.
+        id: NetnsId,
+        /// Errno.
+        #[source]
+        source: nix::Error,
+    },
 }
 
 /// Identity of a network namespace: (inode, device) of its nsfs file.
@@ -104,6 +114,25 @@ impl Netns {
     /// The namespace identity.
     pub fn id(&self) -> NetnsId {
         self.id
+    }
+
+    /// The IPv4 and IPv6 addresses of the namespace's interfaces (loopback included), via
+    /// `getifaddrs(3)` inside it. Blocking; needs CAP_SYS_ADMIN.
+    pub fn interface_addrs(&self) -> Result<Vec<IpAddr>, NetnsError> {
+        let listed = self.run(|| -> Result<Vec<IpAddr>, nix::Error> {
+            Ok(nix::ifaddrs::getifaddrs()?
+                .filter_map(|ifa| {
+                    let a = ifa.address?;
+                    a.as_sockaddr_in()
+                        .map(|v4| IpAddr::V4(v4.ip()))
+                        .or_else(|| a.as_sockaddr_in6().map(|v6| IpAddr::V6(v6.ip())))
+                })
+                .collect())
+        })?;
+        listed.map_err(|source| NetnsError::Addrs {
+            id: self.id(),
+            source,
+        })
     }
 
     /// Runs `f` inside this namespace on a fresh OS thread and returns its result.

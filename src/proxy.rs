@@ -64,6 +64,9 @@ pub struct ProxyConfig {
     pub readiness_addr: SocketAddr,
     /// Metrics listener (`/metrics`), default [`mesh::DEFAULT_METRICS_ADDR`].
     pub metrics_addr: SocketAddr,
+    /// Serve pods the workload state does not list with their handoff identity (Kubernetes
+    /// mode: the agent vouches for them; ztunnel does the same with ZDS `WorkloadInfo`).
+    pub identity_from_handoff: bool,
 }
 
 impl ProxyConfig {
@@ -77,6 +80,7 @@ impl ProxyConfig {
             admin_addr: mesh::DEFAULT_ADMIN_ADDR,
             readiness_addr: mesh::DEFAULT_READINESS_ADDR,
             metrics_addr: mesh::DEFAULT_METRICS_ADDR,
+            identity_from_handoff: false,
         }
     }
 }
@@ -122,6 +126,7 @@ pub fn start(
         certs,
         metrics: Metrics::default(),
         mark: cfg.packet_mark,
+        identity_from_handoff: cfg.identity_from_handoff,
     });
     let manager = ProxyManager::new(ctx);
     let (link, rx) = zds::in_process();

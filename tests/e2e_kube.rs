@@ -24,6 +24,8 @@ const AMBIENT: &str = "ambient";
 /// A lab node in Kubernetes mode with pods `client` and `server` (namespace `default`, labelled
 /// ambient, service accounts alice and bob), `outsider` (`default`, no label) and `web`
 /// (namespace `shop`, not labelled), each running with its IP and a process in the fake procfs.
+/// Only client and server are in the local config (the workload source): the others, once
+/// enrolled, are served with the identity the agent hands over.
 struct KubeNode {
     mesh: MeshLab<4>,
     api: FakeApi,
@@ -31,6 +33,7 @@ struct KubeNode {
     proc: FakeProc,
     run_dir: PathBuf,
     args: Vec<std::ffi::OsString>,
+    dir: PathBuf,
 }
 
 impl KubeNode {
@@ -66,7 +69,6 @@ impl KubeNode {
                 workloads: &[
                     ("client", "default", "alice", ip(2)),
                     ("server", "default", "bob", ip(3)),
-                    ("web", "shop", "web", ip(5)),
                 ],
                 extra_config,
                 log_level: "info",
@@ -118,6 +120,7 @@ impl KubeNode {
             proc,
             run_dir,
             args,
+            dir,
         }
     }
 
@@ -203,7 +206,7 @@ impl KubeNode {
 
 impl Drop for KubeNode {
     fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.run_dir);
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
@@ -239,6 +242,11 @@ fn enrollment_and_the_status_annotation_follow_the_labels() {
         .label_namespace("shop", json!({"istio.io/dataplane-mode": AMBIENT}));
     node.wait_captured("web", true, t);
     node.api.wait_redirection("shop", "web", Some("enabled"), t);
+    MeshNode::wait_log_in(
+        &node.mesh.log,
+        &["pod proxy listening", "spiffe://cluster.local/ns/shop/sa/web"],
+        t,
+    );
 
     // a pod labelled `none` leaves the mesh: rules gone, annotation gone, plain traffic
     node.api.label_pod(
@@ -397,5 +405,68 @@ fn watches_survive_a_410_and_an_api_server_outage() {
         log.matches("pod enrolled, proxy serving it").count(),
         3,
         "client, server and web once each:\n{log}"
+    );
+
+    // the API server goes away for 30 s and comes back with the same objects (and, as a real one
+    // backed by etcd, a resourceVersion past the old one): nothing is lost meanwhile, and the
+    // watches resume and see the outsider labelled afterwards
+    let mut node = node;
+    let mut objects = vec![node.api.namespace("shop")];
+    for ns in ["default", "shop"] {
+        objects.extend(node.api.pods(ns));
+    }
+    for o in &mut objects {
+        o["kind"] = json!(if o["spec"]["containers"].is_array() {
+            "Pod"
+        } else {
+            "Namespace"
+        });
+        o["apiVersion"] = json!("v1");
+        o["metadata"]
+            .as_object_mut()
+            .map(|m| m.remove("resourceVersion"));
+    }
+    let old_version = node.api.resource_version();
+    let load = node.dir.join("objects.json");
+    std::fs::write(
+        &load,
+        json!({"kind": "List", "apiVersion": "v1", "items": objects}).to_string(),
+    )
+    .expect("write objects");
+    node.api.stop();
+    let outage = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < outage {
+        assert!(
+            node.captured("client") && node.captured("web"),
+            "lost during the outage"
+        );
+        std::thread::sleep(Duration::from_secs(2));
+    }
+    assert_eq!(node.echo("client", "server", 8084), node.pod("client").ip);
+    node.api.restart(&node.mesh.lab, &load);
+    node.api.create_namespace("bump", json!({}));
+    let mut n = 0;
+    while node.api.resource_version() <= old_version {
+        node.api
+            .label_namespace("bump", json!({"n": n.to_string()}));
+        n += 1;
+    }
+    node.api.label_pod(
+        "default",
+        "outsider",
+        json!({"istio.io/dataplane-mode": AMBIENT}),
+    );
+    node.wait_captured("outsider", true, Duration::from_secs(45));
+    node.api.wait_redirection(
+        "default",
+        "outsider",
+        Some("enabled"),
+        Duration::from_secs(10),
+    );
+    assert!(node.captured("client") && node.captured("server") && node.captured("web"));
+    assert!(
+        !node.log().contains("pod removed from the mesh"),
+        "{}",
+        node.log()
     );
 }

@@ -68,12 +68,9 @@ pub struct InterfaceAddrCheck;
 /// Why an ownership check could not answer.
 #[derive(Debug, thiserror::Error)]
 pub enum CheckError {
-    /// Entering the netns failed.
+    /// Entering the netns or listing its addresses failed.
     #[error(transparent)]
     Netns(#[from] NetnsError),
-    /// Listing addresses inside failed.
-    #[error("list interface addresses: {0}")]
-    Addrs(#[source] nix::Error),
 }
 
 /// Scans procfs for pods' netns.
@@ -461,22 +458,9 @@ fn summary(rejected: &[Rejected]) -> String {
 
 impl OwnershipCheck for InterfaceAddrCheck {
     fn holds_any(&self, netns: &Netns, ips: &[IpAddr]) -> Result<bool, CheckError> {
-        let found = netns.run(interface_addrs)?.map_err(CheckError::Addrs)?;
+        let found = netns.interface_addrs()?;
         Ok(holds_any_ip(&found, ips))
     }
-}
-
-/// Addresses of the calling thread's netns's interfaces.
-fn interface_addrs() -> Result<Vec<IpAddr>, nix::Error> {
-    let addrs = nix::ifaddrs::getifaddrs()?
-        .filter_map(|ifa| {
-            let a = ifa.address?;
-            a.as_sockaddr_in()
-                .map(|v4| IpAddr::V4(v4.ip()))
-                .or_else(|| a.as_sockaddr_in6().map(|v6| IpAddr::V6(v6.ip())))
-        })
-        .collect();
-    Ok(addrs)
 }
 
 impl<F> OwnershipCheck for F

@@ -175,7 +175,7 @@ pub struct LocalConfig {
 /// One workload as written in the local config (proto `istio.workload.Workload` in camelCase,
 /// plus `services`). Defaults: protocol TCP, status Healthy, capacity 1, everything else empty;
 /// empty `trustDomain` / `serviceAccount` become `cluster.local` / `default` in the state.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct LocalWorkload {
     /// Unique id, e.g. `cluster1//v1/Pod/default/local`.

@@ -8,6 +8,7 @@
 //! the old set is stopped first. A Del stops the set and every connection it carries immediately.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -39,6 +40,16 @@ pub enum PodProxyError {
     /// TLS setup failed.
     #[error(transparent)]
     Tls(#[from] tls::TlsError),
+    /// Reading the pod's addresses failed.
+    #[error("reading the addresses of netns {0} failed")]
+    Handoff(NetnsId),
+}
+
+fn is_link_local(ip: &IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => v4.is_link_local(),
+        IpAddr::V6(v6) => v6.is_unicast_link_local(),
+    }
 }
 
 /// State of a pod in `/config_dump` (`workloadState`).
@@ -190,7 +201,18 @@ impl ProxyManager {
             return Ok(());
         }
         self.del(&uid);
-        let workload = self.wait_for_workload(&info).await?;
+        let known = self
+            .ctx
+            .state
+            .load()
+            .workload_by_name(&info.namespace, &info.name);
+        let workload = match known {
+            Some(w) => w,
+            None if self.ctx.identity_from_handoff => {
+                self.handoff_workload(&uid, &info, &netns).await?
+            }
+            None => self.wait_for_workload(&info).await?,
+        };
         let identity = workload.identity();
         let sockets = PodSockets::new(&netns, self.ctx.mark)?;
         let outbound_l = sockets.listen(OUTBOUND_PORT).await?;
@@ -233,6 +255,33 @@ impl ProxyManager {
             );
         }
         Ok(())
+    }
+
+    /// The workload of a pod the state does not list: its handoff's identity and its netns's
+    /// addresses (loopback and IPv6 link-local left out).
+    async fn handoff_workload(
+        &self,
+        uid: &str,
+        info: &WorkloadInfo,
+        netns: &Netns,
+    ) -> Result<Arc<Workload>, PodProxyError> {
+        let ns = netns.clone();
+        let addrs = tokio::task::spawn_blocking(move || ns.interface_addrs())
+            .await
+            .map_err(|_| PodProxyError::Handoff(netns.id()))?
+            .map_err(|e| PodProxyError::Socket(SocketError::Netns(e)))?;
+        let ips: Vec<IpAddr> = addrs
+            .into_iter()
+            .filter(|ip| !ip.is_loopback() && !is_link_local(ip))
+            .collect();
+        tracing::info!(%uid, ?ips, "workload not in the state: serving it with its handoff identity");
+        Ok(Arc::new(Workload::from_handoff(
+            uid,
+            &info.name,
+            &info.namespace,
+            &info.service_account,
+            ips,
+        )))
     }
 
     async fn wait_for_workload(&self, info: &WorkloadInfo) -> Result<Arc<Workload>, PodProxyError> {

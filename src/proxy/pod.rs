@@ -25,6 +25,9 @@ pub struct ProxyContext {
     pub metrics: Metrics,
     /// SO_MARK of every socket opened in a pod.
     pub mark: PacketMark,
+    /// Serve a pod the workload state does not know with the identity of its handoff
+    /// (Kubernetes mode) instead of refusing it after [`crate::proxy::manager`]'s wait.
+    pub identity_from_handoff: bool,
 }
 
 /// The running proxy of one pod (shared by its connection tasks).

@@ -152,6 +152,28 @@ impl Workload {
         self.spiffe.clone()
     }
 
+    /// The workload of a pod known only from its handoff (Kubernetes mode without a workload
+    /// source that lists it, as ztunnel serves an in-pod workload from its ZDS `WorkloadInfo`):
+    /// HBONE, trust domain `cluster.local`, the given addresses.
+    pub fn from_handoff(
+        uid: &str,
+        name: &str,
+        namespace: &str,
+        service_account: &str,
+        ips: Vec<IpAddr>,
+    ) -> Workload {
+        Workload::from_local(&LocalWorkload {
+            uid: uid.to_owned(),
+            name: name.to_owned(),
+            namespace: namespace.to_owned(),
+            service_account: service_account.to_owned(),
+            workload_ips: ips,
+            protocol: Protocol::Hbone,
+            capacity: 1,
+            ..LocalWorkload::default()
+        })
+    }
+
     fn from_local(w: &LocalWorkload) -> Workload {
         let service_account = or_default(&w.service_account, DEFAULT_SERVICE_ACCOUNT);
         let trust_domain = or_default(&w.trust_domain, DEFAULT_TRUST_DOMAIN);

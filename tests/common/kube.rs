@@ -15,7 +15,8 @@ use ztnode::netns::Netns;
 
 /// The fake API server, running in the lab's node netns on 127.0.0.1.
 pub struct FakeApi {
-    _process: ProcessGuard,
+    process: Option<ProcessGuard>,
+    dir: PathBuf,
     /// Its address (reachable from the node netns only).
     pub addr: SocketAddr,
     /// A kubeconfig for it.
@@ -26,6 +27,11 @@ pub struct FakeApi {
 impl FakeApi {
     /// Starts the server inside `lab`'s node netns; its files go to `dir`.
     pub fn start(lab: &Lab, dir: &Path) -> FakeApi {
+        FakeApi::start_with(lab, dir, 0, None)
+    }
+
+    /// [`FakeApi::start`] on `port` (0: a free one), preloading the objects of `load`.
+    pub fn start_with(lab: &Lab, dir: &Path, port: u16, load: Option<&Path>) -> FakeApi {
         let script = concat!(
             env!("CARGO_MANIFEST_DIR"),
             "/../shared/tools/fake-apiserver/fake_apiserver.py"
@@ -33,13 +39,20 @@ impl FakeApi {
         let port_file = dir.join("apiserver.port");
         let kubeconfig = dir.join("kubeconfig");
         let _ = std::fs::remove_file(&port_file);
+        let _ = std::fs::remove_file(&kubeconfig);
         let log = std::fs::File::create(dir.join("apiserver.log")).expect("apiserver log");
         let mut cmd = Command::new("python3");
         cmd.arg(script)
-            .args(["--port", "0", "--bookmark-interval", "1", "--port-file"])
+            .arg("--port")
+            .arg(port.to_string())
+            .args(["--bookmark-interval", "1", "--port-file"])
             .arg(&port_file)
             .arg("--write-kubeconfig")
             .arg(&kubeconfig)
+            .args(
+                load.map(|l| vec![std::ffi::OsString::from("--load"), l.into()])
+                    .unwrap_or_default(),
+            )
             .stdout(Stdio::null())
             .stderr(log);
         let process = ProcessGuard(lab.spawn_in_node(cmd).expect("start the fake API server"));
@@ -59,11 +72,23 @@ impl FakeApi {
             std::thread::sleep(Duration::from_millis(50));
         };
         FakeApi {
-            _process: process,
+            process: Some(process),
+            dir: dir.to_owned(),
             addr: SocketAddr::from(([127, 0, 0, 1], port)),
             kubeconfig,
             node: lab.node().clone(),
         }
+    }
+
+    /// Stops the server (its objects are gone with it).
+    pub fn stop(&mut self) {
+        self.process = None;
+    }
+
+    /// Starts the server again on the same port, preloaded with `load`.
+    pub fn restart(&mut self, lab: &Lab, load: &Path) {
+        self.stop();
+        *self = FakeApi::start_with(lab, &self.dir.clone(), self.addr.port(), Some(load));
     }
 
     /// One request; returns the status code and the JSON body (`Null` when empty or not JSON).
@@ -200,6 +225,27 @@ impl FakeApi {
             );
             std::thread::sleep(Duration::from_millis(100));
         }
+    }
+
+    /// The server's current `resourceVersion`.
+    pub fn resource_version(&self) -> u64 {
+        let v = self.ok("GET", "/fake/state", None);
+        v["resourceVersion"]
+            .as_str()
+            .and_then(|s| s.parse().ok())
+            .or_else(|| v["resourceVersion"].as_u64())
+            .expect("resourceVersion")
+    }
+
+    /// Every pod of `namespace` as the server has it (metadata, spec, status).
+    pub fn pods(&self, namespace: &str) -> Vec<Value> {
+        let v = self.ok("GET", &format!("/api/v1/namespaces/{namespace}/pods"), None);
+        v["items"].as_array().cloned().unwrap_or_default()
+    }
+
+    /// Namespace `name` as the server has it.
+    pub fn namespace(&self, name: &str) -> Value {
+        self.ok("GET", &format!("/api/v1/namespaces/{name}"), None)
     }
 
     /// Ends every watch with a 410 Gone (`/fake/expire-history`): watchers must relist.

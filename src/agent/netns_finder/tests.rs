@@ -97,7 +97,10 @@ impl OwnershipCheck for FakeCheck {
     fn holds_any(&self, netns: &Netns, ips: &[IpAddr]) -> Result<bool, CheckError> {
         self.calls.fetch_add(1, Ordering::SeqCst);
         if self.fail == Some(netns.id()) {
-            return Err(CheckError::Addrs(nix::Error::EPERM));
+            return Err(CheckError::Netns(crate::netns::NetnsError::Addrs {
+                id: netns.id(),
+                source: nix::Error::EPERM,
+            }));
         }
         let found = self.addrs.get(&netns.id()).cloned().unwrap_or_default();
         Ok(holds_any_ip(&found, ips))
@@ -234,7 +237,7 @@ fn unverifiable_candidates_are_reported() {
     assert!(matches!(rejected[0].reason, Rejection::NoPodIp));
     assert!(matches!(
         rejected[1].reason,
-        Rejection::Check(CheckError::Addrs(_))
+        Rejection::Check(CheckError::Netns(crate::netns::NetnsError::Addrs { .. }))
     ));
     let msg = err.to_string();
     assert!(
