@@ -4,7 +4,8 @@
 //! ambient mode (`../shared/spec/istio-cni.md` §1). [`main`] wires the process; [`run`] is the whole
 //! plugin over an injectable env, stdin, stdout and stderr. Modules: [`skel`] (verbs, env, version
 //! gates, error codes), [`netconf`] (config and `CNI_ARGS`), [`result`] (prevResult conversion),
-//! [`client`] (agent socket), [`cmd`] (verb handlers), [`log`] (stderr logging).
+//! [`client`] (agent socket), [`kube`] (API server lookups in Kubernetes mode), [`cmd`] (verb
+//! handlers), [`log`] (stderr logging).
 
 use std::io::{Read, Write};
 
@@ -13,6 +14,7 @@ use serde::Serialize;
 pub mod client;
 pub mod cmd;
 pub mod env;
+pub mod kube;
 pub mod log;
 pub mod netconf;
 pub mod result;

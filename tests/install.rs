@@ -580,3 +580,153 @@ async fn watch_waits_for_a_primary_config() -> Result<()> {
         .context("watch_and_repair did not stop")???;
     Ok(())
 }
+
+/// A service-account dir laid out as the kubelet projects it: `token` and `ca.crt` are symlinks
+/// through `..data`, which is swapped atomically on rotation.
+fn project_service_account(dir: &Path, generation: u32, token: &str) -> Result<()> {
+    let data = dir.join(format!("..gen{generation}"));
+    fs::create_dir_all(&data)?;
+    fs::write(data.join("token"), token)?;
+    fs::write(
+        data.join("ca.crt"),
+        "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n",
+    )?;
+    let tmp = dir.join("..data_tmp");
+    std::os::unix::fs::symlink(data.file_name().context("name")?, &tmp)?;
+    fs::rename(&tmp, dir.join("..data"))?;
+    for name in ["token", "ca.crt"] {
+        if fs::symlink_metadata(dir.join(name)).is_err() {
+            std::os::unix::fs::symlink(format!("..data/{name}"), dir.join(name))?;
+        }
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_rewrites_the_plugin_kubeconfig_on_token_rotation() -> Result<()> {
+    let mut node = Node::new()?;
+    node.copy_in(
+        &Path::new(REAL).join("10-calico.conflist"),
+        "10-calico.conflist",
+    )?;
+    let sa = tempfile::tempdir()?;
+    project_service_account(sa.path(), 1, "token-one")?;
+    let run = tempfile::tempdir()?;
+    node.cfg.run_dir = run.path().to_owned();
+    node.cfg.kube = Some(install::PluginKube {
+        source: install::KubeconfigSource::InCluster(install::InClusterApi {
+            host: "fd00:10:96::1".into(),
+            port: "443".into(),
+            service_account_dir: sa.path().to_owned(),
+        }),
+        enablement_selector: None,
+        namespace: "ztnode-system".into(),
+    });
+    let kubeconfig = install::kubeconfig_path(run.path());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(install::watch_and_repair(node.cfg.clone(), async move {
+        let _ = stopped.await;
+    }));
+    let cfg = node.cfg.clone();
+    wait_until("initial install", || Ok(install::is_installed(&cfg)?)).await?;
+    let text = fs::read_to_string(&kubeconfig)?;
+    ensure!(text.contains("token: token-one\n"), "{text}");
+    ensure!(
+        text.contains("server: https://[fd00:10:96::1]:443\n"),
+        "{text}"
+    );
+    ensure!(fs::metadata(&kubeconfig)?.mode() & 0o7777 == 0o600);
+    let list = node.json("10-calico.conflist")?;
+    let entry = plugins(&list)?.last().context("entry")?;
+    ensure!(
+        entry["kubeconfig"] == json!(kubeconfig.display().to_string()),
+        "{entry}"
+    );
+    ensure!(entry["ztnode_namespace"] == "ztnode-system", "{entry}");
+    ensure!(
+        entry.get("ambient_enablement_selector").is_none(),
+        "{entry}"
+    );
+
+    // The kubelet rotates the token: the loop notices the SA dir change and rewrites.
+    project_service_account(sa.path(), 2, "token-two")?;
+    wait_until("kubeconfig with the rotated token", || {
+        Ok(fs::read_to_string(&kubeconfig)?.contains("token: token-two\n"))
+    })
+    .await?;
+    let conf_before = fs::read(node.conf("10-calico.conflist"))?;
+
+    // Removed by someone: written again (at the latest on the periodic resync; the binary's
+    // re-copy below triggers a pass sooner).
+    fs::remove_file(&kubeconfig)?;
+    fs::remove_file(node.cfg.installed_binary())?;
+    wait_until("kubeconfig written again", || Ok(kubeconfig.exists())).await?;
+    wait_until("fully installed", || Ok(install::is_installed(&cfg)?)).await?;
+    ensure!(
+        fs::read(node.conf("10-calico.conflist"))? == conf_before,
+        "token rotation does not touch the CNI config"
+    );
+
+    let _ = stop.send(());
+    tokio::time::timeout(Duration::from_secs(10), task)
+        .await
+        .context("watch_and_repair did not stop")???;
+    install::uninstall(&node.cfg)?;
+    ensure!(!kubeconfig.exists(), "uninstall removes the kubeconfig");
+    ensure!(ours_count(&node.json("10-calico.conflist")?)? == 0);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_chains_the_entry_only_once_the_kubeconfig_exists() -> Result<()> {
+    let mut node = Node::new()?;
+    node.copy_in(
+        &Path::new(REAL).join("10-calico.conflist"),
+        "10-calico.conflist",
+    )?;
+    let sa = tempfile::tempdir()?;
+    let run = tempfile::tempdir()?;
+    node.cfg.run_dir = run.path().to_owned();
+    node.cfg.kube = Some(install::PluginKube {
+        source: install::KubeconfigSource::InCluster(install::InClusterApi {
+            host: "10.96.0.1".into(),
+            port: "443".into(),
+            service_account_dir: sa.path().to_owned(),
+        }),
+        enablement_selector: Some(String::new()),
+        namespace: "mesh".into(),
+    });
+    ensure!(
+        matches!(
+            install::install(&node.cfg),
+            Err(InstallError::ReadFile { .. })
+        ),
+        "no service account yet: install fails before touching the CNI config"
+    );
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(install::watch_and_repair(node.cfg.clone(), async move {
+        let _ = stopped.await;
+    }));
+    wait_until("binary copied", || Ok(node.cfg.installed_binary().exists())).await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    ensure!(
+        ours_count(&node.json("10-calico.conflist")?)? == 0,
+        "entry before kubeconfig"
+    );
+
+    project_service_account(sa.path(), 1, "t")?;
+    let cfg = node.cfg.clone();
+    wait_until("installed once the token appears", || {
+        Ok(install::is_installed(&cfg)?)
+    })
+    .await?;
+    let list = node.json("10-calico.conflist")?;
+    let entry = plugins(&list)?.last().context("entry")?;
+    ensure!(entry["ambient_enablement_selector"] == "", "{entry}");
+    ensure!(entry["ztnode_namespace"] == "mesh", "{entry}");
+    let _ = stop.send(());
+    tokio::time::timeout(Duration::from_secs(10), task)
+        .await
+        .context("watch_and_repair did not stop")???;
+    Ok(())
+}

@@ -13,9 +13,13 @@
 //!   writes `0.3.1`/`k8s-pod-network`); our entry records `"ztnode_converted_from": "X.conf"` so a later
 //!   uninstall writes `X.conf` back.
 //! - Entries of ours in files that are no longer primary are removed (a converted `.conf` is restored).
+//! - Kubernetes mode ([`InstallConfig::kube`], [`PluginKube`]): the plugin's kubeconfig is written to
+//!   `<run_dir>/ztnode-cni-kubeconfig` before the config entry that names it (spec §2.1, §2.5), kept
+//!   current while the agent runs (token rotation) and removed on uninstall.
 
 mod conflist;
 mod files;
+mod kubeconfig;
 mod plan;
 mod watch;
 
@@ -23,10 +27,14 @@ use std::io;
 use std::path::PathBuf;
 
 pub use conflist::{CONVERTED_FROM_KEY, PLUGIN_TYPE};
+pub use kubeconfig::{
+    CLUSTER_NAME, CONTEXT_NAME, DEFAULT_SERVICE_ACCOUNT_DIR, InClusterApi, KUBECONFIG_MODE,
+    KubeconfigSource, PLUGIN_KUBECONFIG_NAME, PluginKube, USER_NAME, kubeconfig_path,
+};
 pub use watch::watch_and_repair;
 
 use crate::mesh::{DEFAULT_CNI_BIN_DIR, DEFAULT_CNI_CONF_DIR, DEFAULT_EXCLUDED_NAMESPACES};
-use conflist::EntryParams;
+use conflist::{EntryKube, EntryParams};
 
 /// File name of the installed plugin binary (the multi-call binary dispatches on it).
 pub const PLUGIN_BINARY_NAME: &str = "ztnode-cni";
@@ -43,7 +51,8 @@ pub enum InstallError {
         #[source]
         source: io::Error,
     },
-    /// Reading a config file failed (other than it vanishing meanwhile).
+    /// Reading a config file (other than it vanishing meanwhile), or a source of the plugin's
+    /// kubeconfig (the copied kubeconfig, the service-account token or CA), failed.
     #[error("read {path}: {source}")]
     ReadFile {
         /// The file.
@@ -66,6 +75,19 @@ pub enum InstallError {
         conf: PathBuf,
         /// Its existing `.conflist` sibling.
         conflist: PathBuf,
+    },
+    /// The in-cluster API server settings cannot make a server URL (spec §2.5).
+    #[error("in-cluster API server for the plugin's kubeconfig: {reason}")]
+    InClusterApi {
+        /// What is wrong (names the variable, never a secret).
+        reason: String,
+    },
+    /// Serialising the plugin's kubeconfig failed.
+    #[error("render the plugin's kubeconfig: {source}")]
+    RenderYaml {
+        /// The serde error.
+        #[source]
+        source: serde_yaml_ng::Error,
     },
     /// Serialising a config failed.
     #[error("render {path}: {source}")]
@@ -142,6 +164,10 @@ pub struct InstallConfig {
     pub exclude_namespaces: Vec<String>,
     /// Written as `plugin_log_level` if set.
     pub log_level: Option<String>,
+    /// Kubernetes mode: write the plugin's kubeconfig and the entry keys `kubeconfig`,
+    /// `ambient_enablement_selector`, `ztnode_namespace`, so the plugin classifies pods itself.
+    /// `None` (the default): standalone, the plugin hands every pod to the agent.
+    pub kube: Option<PluginKube>,
 }
 
 /// What [`install`] did.
@@ -149,6 +175,8 @@ pub struct InstallConfig {
 pub struct InstallOutcome {
     /// The binary was written; `false` when the installed one already had the same content.
     pub binary_written: bool,
+    /// The plugin's kubeconfig was written (Kubernetes mode; `false` when it was current).
+    pub kubeconfig_written: bool,
     /// The config side.
     pub conf: ConfOutcome,
 }
@@ -179,6 +207,7 @@ impl InstallConfig {
                 .map(|n| n.to_string())
                 .collect(),
             log_level: None,
+            kube: None,
         }
     }
 
@@ -194,10 +223,26 @@ impl InstallConfig {
             .ok_or_else(|| InstallError::NonUtf8Path {
                 path: self.run_dir.clone(),
             })?;
+        let kube = match &self.kube {
+            None => None,
+            Some(k) => {
+                let path = kubeconfig_path(&self.run_dir);
+                let kubeconfig = path
+                    .to_str()
+                    .ok_or_else(|| InstallError::NonUtf8Path { path: path.clone() })?
+                    .to_owned();
+                Some(EntryKube {
+                    kubeconfig,
+                    enablement_selector: k.enablement_selector.clone(),
+                    namespace: k.namespace.clone(),
+                })
+            }
+        };
         Ok(EntryParams {
             run_dir: run_dir.to_owned(),
             exclude_namespaces: self.exclude_namespaces.clone(),
             log_level: self.log_level.clone(),
+            kube,
         })
     }
 }
@@ -207,25 +252,29 @@ impl InstallConfig {
 impl InstallOutcome {
     /// Whether anything on disk changed.
     pub fn changed(&self) -> bool {
-        self.binary_written || self.conf.changed
+        self.binary_written || self.kubeconfig_written || self.conf.changed
     }
 }
 
-/// Installs: copies the binary (skipped when identical), then chains our entry into the primary
-/// config. Errors: [`InstallError::NoPrimaryConfig`] when there is no usable config yet (the binary
-/// is copied anyway), otherwise the failing file operation.
+/// Installs: copies the binary (skipped when identical), writes the plugin's kubeconfig in
+/// Kubernetes mode (skipped when current), then chains our entry into the primary config (last, so
+/// the plugin never runs with an entry naming a missing kubeconfig). Errors:
+/// [`InstallError::NoPrimaryConfig`] when there is no usable config yet (binary and kubeconfig are
+/// written anyway), otherwise the failing file operation.
 pub fn install(cfg: &InstallConfig) -> Result<InstallOutcome, InstallError> {
     let binary_written = install_binary(cfg)?;
+    let kubeconfig_written = install_kubeconfig(cfg)?;
     let conf = install_conf(cfg)?;
     Ok(InstallOutcome {
         binary_written,
+        kubeconfig_written,
         conf,
     })
 }
 
 /// Uninstalls: removes our entries from every config in the conf dir (a `.conf` we converted is
-/// written back and its `.conflist` removed), then the binary. Missing dirs or files are fine, so a
-/// second call succeeds too.
+/// written back and its `.conflist` removed), then the plugin's kubeconfig (in either mode: the
+/// path is ours), then the binary. Missing dirs or files are fine, so a second call succeeds too.
 pub fn uninstall(cfg: &InstallConfig) -> Result<(), InstallError> {
     let dir = &cfg.cni_conf_dir;
     files::remove_stale_conf_tmp(dir)?;
@@ -240,16 +289,42 @@ pub fn uninstall(cfg: &InstallConfig) -> Result<(), InstallError> {
         Err(InstallError::ReadDir { source, .. }) if source.kind() == io::ErrorKind::NotFound => {}
         Err(e) => return Err(e),
     }
+    kubeconfig::remove(&cfg.run_dir)?;
     files::remove_if_exists(&cfg.installed_binary())
 }
 
-/// Whether everything is in place: the installed binary has the source's content and mode 0755, and
-/// an install would change no config file. `Ok(false)` when there is no primary config or conf dir.
+/// Whether everything is in place: the installed binary has the source's content and mode 0755, the
+/// plugin's kubeconfig (Kubernetes mode) is current, and an install would change no config file.
+/// `Ok(false)` when there is no primary config or conf dir.
 pub fn is_installed(cfg: &InstallConfig) -> Result<bool, InstallError> {
     if !files::binary_current(&cfg.source_binary, &cfg.installed_binary())? {
         return Ok(false);
     }
+    if !kubeconfig_in_place(cfg)? {
+        return Ok(false);
+    }
     conf_in_place(cfg)
+}
+
+/// Writes the plugin's kubeconfig unless current (Kubernetes mode only); returns whether written.
+fn install_kubeconfig(cfg: &InstallConfig) -> Result<bool, InstallError> {
+    let Some(kube) = &cfg.kube else {
+        return Ok(false);
+    };
+    let written = kubeconfig::install(&cfg.run_dir, kube)?;
+    if written {
+        let path = kubeconfig_path(&cfg.run_dir);
+        tracing::info!(path = %path.display(), "wrote the CNI plugin's kubeconfig");
+    }
+    Ok(written)
+}
+
+/// Whether the plugin's kubeconfig is current (always true in standalone mode).
+fn kubeconfig_in_place(cfg: &InstallConfig) -> Result<bool, InstallError> {
+    match &cfg.kube {
+        None => Ok(true),
+        Some(kube) => kubeconfig::in_place(&cfg.run_dir, kube),
+    }
 }
 
 /// Copies the binary unless identical; returns whether it was written.

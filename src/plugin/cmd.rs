@@ -4,7 +4,13 @@
 //! closed) and passes `prevResult` through; DEL tells the agent best effort and never fails; CHECK
 //! validates its input; STATUS reports whether the agent socket accepts connections; GC has nothing
 //! of its own to collect.
+//!
+//! In Kubernetes mode (conf key `kubeconfig`) ADD first asks the API server whether the pod is
+//! ambient and decides with the agent's `EnrollmentRules`: a pod that is not enrolled passes
+//! through without contacting the agent, so it starts while the agent is down; an enrolled pod
+//! fails closed as before (`../shared/spec/istio-cni.md` §1.4).
 
+use std::net::IpAddr;
 use std::time::Duration;
 
 use serde_json::Value;
@@ -13,8 +19,9 @@ use crate::netns::Netns;
 use crate::podevent::{EVENT_TIMEOUT_SECS, PATH_CMDADD, PATH_CMDDEL, PodAddEvent, PodDelEvent};
 
 use super::client::AgentClient;
+use super::kube::{self, KUBE_TIMEOUT};
 use super::log::Log;
-use super::netconf::NetConf;
+use super::netconf::{KubeConf, NetConf};
 use super::result::{PrevResult, empty_result};
 use super::skel::{CmdArgs, PluginError};
 use super::version::CniVersion;
@@ -38,8 +45,10 @@ pub struct Request {
 /// ADD: returns the result to print (`prevResult` at the config's version, or an empty result).
 ///
 /// Order: parse `prevResult` (codes 6/7) -> refuse the host netns (code 8, unless
-/// `CNI_NETNS_OVERRIDE`) -> pass through non-Kubernetes pods and excluded namespaces -> `POST /cmdadd`
-/// (code 11 when the agent is unreachable or answers non-200).
+/// `CNI_NETNS_OVERRIDE`) -> pass through non-Kubernetes pods and excluded namespaces -> in
+/// Kubernetes mode: pass through ztnode's own pods by name (before any API call, spec §1.4 step 3),
+/// GET pod and namespace (code 11 when that fails) and pass through pods the rules do not enroll
+/// -> `POST /cmdadd` (code 11 when the agent is unreachable or answers non-200).
 pub fn add(req: &Request, log: &mut Log<'_>) -> Result<Value, PluginError> {
     let prev = req
         .conf
@@ -67,6 +76,13 @@ pub fn add(req: &Request, log: &mut Log<'_>) -> Result<Value, PluginError> {
         ));
         return Ok(output);
     }
+    let ips = prev.as_ref().map(PrevResult::pod_ips).unwrap_or_default();
+    if let Some(kube) = &req.conf.kube {
+        let fallback: Vec<IpAddr> = ips.iter().map(|ip| ip.address.ip).collect();
+        if !is_ambient(req, kube, (namespace, name), &fallback, log)? {
+            return Ok(output);
+        }
+    }
     let event = PodAddEvent {
         netns: req.args.netns.clone(),
         pod_name: name.to_owned(),
@@ -74,7 +90,7 @@ pub fn add(req: &Request, log: &mut Log<'_>) -> Result<Value, PluginError> {
         pod_uid: req.args.args.pod_uid.clone().unwrap_or_default(),
         container_id: req.args.container_id.clone(),
         if_name: req.args.ifname.clone(),
-        ips: prev.as_ref().map(PrevResult::pod_ips).unwrap_or_default(),
+        ips,
     };
     let client = AgentClient::new(&req.conf.run_dir);
     log.debug(format_args!(
@@ -93,6 +109,36 @@ pub fn add(req: &Request, log: &mut Log<'_>) -> Result<Value, PluginError> {
         req.args.netns
     ));
     Ok(output)
+}
+
+/// Kubernetes mode's classification: `Ok(true)` when the agent must enroll the pod, `Ok(false)`
+/// when it passes through (logged with the reason). Errors: [`PluginError::Classify`].
+fn is_ambient(
+    req: &Request,
+    kube: &KubeConf,
+    (namespace, name): (&str, &str),
+    fallback_ips: &[IpAddr],
+    log: &mut Log<'_>,
+) -> Result<bool, PluginError> {
+    if kube.rules.own.matches_name(namespace, name) {
+        log.info(format_args!(
+            "ADD pod {namespace}/{name}: one of ztnode's own pods, passing through"
+        ));
+        return Ok(false);
+    }
+    let (pod, ns) =
+        kube::fetch(&kube.kubeconfig, namespace, name, KUBE_TIMEOUT).map_err(|source| {
+            PluginError::Classify {
+                pod: format!("{namespace}/{name}"),
+                source: Box::new(source),
+            }
+        })?;
+    let uid = req.args.args.pod_uid.as_deref();
+    let pod_facts = kube::pod_facts(&pod, namespace, name, uid, fallback_ips);
+    let ns_facts = kube::namespace_facts(&ns, namespace);
+    let decision = kube.rules.decide(&pod_facts, &ns_facts);
+    log.info(format_args!("ADD pod {namespace}/{name}: {decision}"));
+    Ok(decision.is_enrolled())
 }
 
 /// DEL: tells the agent, best effort. Never fails: a missing netns, an absent agent or an error answer

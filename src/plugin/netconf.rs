@@ -4,11 +4,19 @@
 //! and the network `name`; after the caller's version gate, [`NetConf::from_header`] reads ztnode's
 //! keys (`cni_agent_run_dir`, `exclude_namespaces`, `plugin_log_level`, as istio-cni's `Config`,
 //! `../shared/spec/istio-cni.md` §1.2). Unknown keys are ignored.
+//!
+//! Kubernetes mode is on when the key `kubeconfig` is present ([`KubeConf`]); then
+//! `ambient_enablement_selector` and `ztnode_namespace` are read too and, with
+//! `exclude_namespaces`, make the same [`EnrollmentRules`] the agent uses. Without `kubeconfig`
+//! those two keys are ignored like any unknown key.
 
 use std::path::PathBuf;
 
 use serde_json::{Map, Value};
 
+use crate::agent::enroll::{
+    EnablementSelectors, EnrollmentRules, ExcludedNamespaces, OwnPods, SelectorError,
+};
 use crate::mesh::{DEFAULT_EXCLUDED_NAMESPACES, DEFAULT_RUN_DIR};
 
 use super::log::Level;
@@ -50,6 +58,14 @@ pub enum ConfError {
         /// What was expected.
         expected: &'static str,
     },
+    /// `ambient_enablement_selector` is not a valid selector list (the source names the key and
+    /// the value).
+    #[error("invalid config key: {source}")]
+    Selector {
+        /// Why the selector text was refused (boxed: it is large).
+        #[source]
+        source: Box<SelectorError>,
+    },
 }
 
 /// A decoded config whose `name` is valid; the version is not checked yet.
@@ -78,6 +94,21 @@ pub struct NetConf {
     pub prev_result: Option<Value>,
     /// GC's list of still-valid attachments (`cni.dev/valid-attachments` or legacy `cni.dev/attachments`).
     pub valid_attachments: Option<Vec<Value>>,
+    /// Kubernetes mode: present when the key `kubeconfig` is.
+    pub kube: Option<KubeConf>,
+}
+
+/// Kubernetes mode's settings: the plugin asks the API server about each pod and decides like the
+/// agent (`../shared/spec/istio-cni.md` §1.4 steps 3-8).
+#[derive(Debug, Clone, PartialEq)]
+pub struct KubeConf {
+    /// `kubeconfig`: absolute path of the kubeconfig the installer wrote.
+    pub kubeconfig: PathBuf,
+    /// The agent's rules: selectors from `ambient_enablement_selector` (absent = Istio's default
+    /// selectors; `""` = nothing enrolled), excluded namespaces from `exclude_namespaces`, own pods
+    /// in `ztnode_namespace` (absent or empty = `ztnode-system`), the defaults of
+    /// `EnrollmentRules::from_env`.
+    pub rules: EnrollmentRules,
 }
 
 /// The Kubernetes keys of `CNI_ARGS`. Empty values count as absent.
@@ -167,6 +198,7 @@ impl NetConf {
         let valid_attachments = ["cni.dev/valid-attachments", "cni.dev/attachments"]
             .iter()
             .find_map(|k| map.get(*k).and_then(Value::as_array).cloned());
+        let kube = KubeConf::from_map(&map, &exclude_namespaces)?;
         Ok(NetConf {
             name: header.name,
             run_dir,
@@ -174,12 +206,64 @@ impl NetConf {
             log_level,
             prev_result,
             valid_attachments,
+            kube,
         })
     }
 
     /// True if pods of `namespace` must not be sent to the agent.
     pub fn is_excluded(&self, namespace: &str) -> bool {
         self.exclude_namespaces.iter().any(|n| n == namespace)
+    }
+}
+
+// === impl KubeConf ===
+
+impl KubeConf {
+    /// Entry key naming the plugin's kubeconfig; its presence turns Kubernetes mode on.
+    pub const KEY_KUBECONFIG: &'static str = "kubeconfig";
+    /// Entry key with the raw `AMBIENT_ENABLEMENT_SELECTOR` text.
+    pub const KEY_SELECTOR: &'static str = "ambient_enablement_selector";
+    /// Entry key with the namespace of ztnode's own pods.
+    pub const KEY_NAMESPACE: &'static str = "ztnode_namespace";
+
+    /// Reads Kubernetes mode's keys; `Ok(None)` without `kubeconfig` (or with it `null`).
+    /// Errors: [`ConfError::InvalidKey`] for a non-string or relative `kubeconfig` or a non-string
+    /// selector or namespace, [`ConfError::Selector`] for selector text that does not parse.
+    fn from_map(
+        map: &Map<String, Value>,
+        exclude_namespaces: &[String],
+    ) -> Result<Option<KubeConf>, ConfError> {
+        let kubeconfig = match optional_string(map, Self::KEY_KUBECONFIG)? {
+            None => return Ok(None),
+            Some(path) if path.starts_with('/') => PathBuf::from(path),
+            Some(path) => {
+                return Err(ConfError::InvalidKey {
+                    key: Self::KEY_KUBECONFIG,
+                    value: Value::String(path).to_string(),
+                    expected: "an absolute path",
+                });
+            }
+        };
+        let selectors = match optional_string(map, Self::KEY_SELECTOR)? {
+            None => EnablementSelectors::default(),
+            Some(text) => EnablementSelectors::parse(Self::KEY_SELECTOR, &text).map_err(|e| {
+                ConfError::Selector {
+                    source: Box::new(e),
+                }
+            })?,
+        };
+        let own = optional_string(map, Self::KEY_NAMESPACE)?
+            .filter(|ns| !ns.is_empty())
+            .map(OwnPods::new)
+            .unwrap_or_default();
+        Ok(Some(KubeConf {
+            kubeconfig,
+            rules: EnrollmentRules {
+                selectors,
+                excluded: ExcludedNamespaces::new(exclude_namespaces.iter().cloned()),
+                own,
+            },
+        }))
     }
 }
 
@@ -282,6 +366,83 @@ mod tests {
         assert!(!c.is_excluded("kube-system"));
         assert_eq!(c.log_level, Some(Level::Debug));
         assert_eq!(c.prev_result, Some(json!({"ips": []})));
+    }
+
+    #[test]
+    fn kubernetes_mode_needs_the_kubeconfig_key() {
+        let c =
+            conf(json!({"name": "n", "ambient_enablement_selector": "[", "ztnode_namespace": 1}))
+                .expect("without kubeconfig the kube keys are unknown keys");
+        assert_eq!(c.kube, None);
+
+        let c = conf(json!({"name": "n", "kubeconfig": "/run/z/ztnode-cni-kubeconfig"}))
+            .expect("valid");
+        let kube = c.kube.expect("kube mode");
+        assert_eq!(
+            kube.kubeconfig,
+            PathBuf::from("/run/z/ztnode-cni-kubeconfig")
+        );
+        assert_eq!(
+            kube.rules,
+            EnrollmentRules::default(),
+            "the agent's defaults"
+        );
+
+        let c = conf(
+            json!({"name": "n", "kubeconfig": "/k", "exclude_namespaces": ["a"],
+            "ztnode_namespace": "mesh", "ambient_enablement_selector": ""}),
+        )
+        .expect("valid");
+        let rules = c.kube.expect("kube mode").rules;
+        assert!(rules.selectors.is_empty(), "set but empty enrolls nothing");
+        assert!(rules.excluded.contains("a") && !rules.excluded.contains("kube-system"));
+        assert_eq!(rules.own, OwnPods::new("mesh"));
+
+        let c = conf(
+            json!({"name": "n", "kubeconfig": "/k", "exclude_namespaces": null,
+            "ztnode_namespace": ""}),
+        )
+        .expect("valid");
+        let rules = c.kube.expect("kube mode").rules;
+        assert_eq!(rules.excluded.iter().count(), 0);
+        assert_eq!(rules.own, OwnPods::default());
+    }
+
+    #[test]
+    fn bad_selector_is_an_error_naming_the_key() {
+        for text in [
+            "[",
+            "- podSelectr: {}",
+            "- podSelector: {matchLabels: {\"bad key!\": x}}",
+        ] {
+            let err =
+                conf(json!({"name": "n", "kubeconfig": "/k", "ambient_enablement_selector": text}))
+                    .expect_err(text);
+            assert!(matches!(err, ConfError::Selector { .. }), "{text}: {err:?}");
+            assert!(
+                err.to_string().contains("ambient_enablement_selector"),
+                "{err}"
+            );
+        }
+        for (v, key) in [
+            (json!({"name": "n", "kubeconfig": "rel/kc"}), "kubeconfig"),
+            (json!({"name": "n", "kubeconfig": 7}), "kubeconfig"),
+            (
+                json!({"name": "n", "kubeconfig": "/k", "ambient_enablement_selector": []}),
+                "ambient_enablement_selector",
+            ),
+            (
+                json!({"name": "n", "kubeconfig": "/k", "ztnode_namespace": false}),
+                "ztnode_namespace",
+            ),
+        ] {
+            match conf(v.clone()) {
+                Err(e @ ConfError::InvalidKey { .. }) => {
+                    assert!(e.to_string().contains(key), "{e}")
+                }
+                other => panic!("{v}: {other:?}"),
+            }
+        }
     }
 
     #[test]

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use super::client::AgentError;
 use super::env::Env;
+use super::kube::KubeError;
 use super::netconf::{ConfError, K8sArgs, valid_identifier};
 use super::result::ResultError;
 use super::version::CniVersion;
@@ -126,6 +127,16 @@ pub enum PluginError {
         /// What went wrong.
         #[source]
         source: AgentError,
+    },
+    /// Kubernetes mode: ADD could not classify the pod (kubeconfig unreadable, API server
+    /// unreachable or erroring); fails closed, the runtime retries the sandbox (spec §1.4 step 8).
+    #[error("ztnode-cni ADD for pod {pod} cannot tell whether the pod is ambient: {source}")]
+    Classify {
+        /// `namespace/name`.
+        pod: String,
+        /// What went wrong (boxed: it is large).
+        #[source]
+        source: Box<KubeError>,
     },
     /// STATUS found no agent listening.
     #[error("node agent socket {} does not accept connections: {source}", .socket.display())]
@@ -320,12 +331,13 @@ impl PluginError {
             PluginError::Conf(
                 ConfError::MissingName
                 | ConfError::InvalidName { .. }
-                | ConfError::InvalidKey { .. },
+                | ConfError::InvalidKey { .. }
+                | ConfError::Selector { .. },
             ) => 7,
             PluginError::PrevResult(ResultError::Shape { .. }) => 6,
             PluginError::PrevResult(ResultError::UnsupportedVersion { .. }) => 7,
             PluginError::HostNetns { .. } => 8,
-            PluginError::AgentAdd { .. } => 11,
+            PluginError::AgentAdd { .. } | PluginError::Classify { .. } => 11,
             PluginError::AgentStatus { .. } => 50,
         }
     }

@@ -34,6 +34,19 @@ pub(crate) struct EntryParams {
     pub exclude_namespaces: Vec<String>,
     /// `plugin_log_level`, written only if set.
     pub log_level: Option<String>,
+    /// Kubernetes mode's keys, written only in that mode.
+    pub kube: Option<EntryKube>,
+}
+
+/// The entry keys of Kubernetes mode (read by `crate::plugin::netconf`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct EntryKube {
+    /// `kubeconfig`: path of the plugin's kubeconfig.
+    pub kubeconfig: String,
+    /// `ambient_enablement_selector`: the raw selector text, written only if set.
+    pub enablement_selector: Option<String>,
+    /// `ztnode_namespace`: the namespace of ztnode's own pods.
+    pub namespace: String,
 }
 
 /// Whether `file_name` has a CNI config extension (`.conf` or `.conflist`).
@@ -102,6 +115,16 @@ pub(crate) fn our_entry(params: &EntryParams, converted_from: Option<&str>) -> V
     );
     if let Some(level) = &params.log_level {
         entry.insert("plugin_log_level".into(), level.clone().into());
+    }
+    if let Some(kube) = &params.kube {
+        entry.insert("kubeconfig".into(), kube.kubeconfig.clone().into());
+        if let Some(selector) = &kube.enablement_selector {
+            entry.insert(
+                "ambient_enablement_selector".into(),
+                selector.clone().into(),
+            );
+        }
+        entry.insert("ztnode_namespace".into(), kube.namespace.clone().into());
     }
     if let Some(conf) = converted_from {
         entry.insert(CONVERTED_FROM_KEY.into(), conf.into());
@@ -193,6 +216,7 @@ mod tests {
             run_dir: "/var/run/ztnode".into(),
             exclude_namespaces: vec!["kube-system".into()],
             log_level: None,
+            kube: None,
         }
     }
 
@@ -234,6 +258,39 @@ mod tests {
         assert_eq!(e["plugin_log_level"], "debug");
         assert_eq!(e[CONVERTED_FROM_KEY], "x.conf");
         assert!(e.get("cniVersion").is_none());
+    }
+
+    #[test]
+    fn kube_keys_only_in_kubernetes_mode() {
+        let kube = |selector: Option<&str>| EntryParams {
+            kube: Some(EntryKube {
+                kubeconfig: "/var/run/ztnode/ztnode-cni-kubeconfig".into(),
+                enablement_selector: selector.map(str::to_owned),
+                namespace: "ztnode-system".into(),
+            }),
+            ..params()
+        };
+        let e = our_entry(&kube(None), None);
+        assert_eq!(
+            keys(&e),
+            [
+                "type",
+                "name",
+                "cni_agent_run_dir",
+                "exclude_namespaces",
+                "kubeconfig",
+                "ztnode_namespace"
+            ]
+        );
+        assert_eq!(e["kubeconfig"], "/var/run/ztnode/ztnode-cni-kubeconfig");
+        assert_eq!(e["ztnode_namespace"], "ztnode-system");
+        let e = our_entry(&kube(Some("- podSelector: {}\n")), None);
+        assert_eq!(e["ambient_enablement_selector"], "- podSelector: {}\n");
+        let e = our_entry(&kube(Some("")), None);
+        assert_eq!(
+            e["ambient_enablement_selector"], "",
+            "set but empty is kept: it enrolls nothing"
+        );
     }
 
     #[test]

@@ -100,6 +100,12 @@ pub(crate) fn remove_stale_conf_tmp(dir: &Path) -> Result<(), InstallError> {
     remove_matching(dir, |name| name.contains(CONF_TMP_MARKER))
 }
 
+/// Removes leftover `<name>.tmp.*` files of an interrupted [`atomic_write`] of `dir/name`.
+pub(crate) fn remove_stale_tmp(dir: &Path, name: &str) -> Result<(), InstallError> {
+    let prefix = format!("{name}.tmp.");
+    remove_matching(dir, |n| n.starts_with(&prefix))
+}
+
 /// Copies `source` to `bin_dir/name` with mode 0755 unless the target already has the same content
 /// (then only its mode is fixed). Returns whether the content was written. Stale `name.tmp.*` files
 /// are removed first; the write is atomic, so a running plugin keeps its old inode.
@@ -115,8 +121,7 @@ pub(crate) fn install_binary(
         source: source_err,
     };
     fs::create_dir_all(bin_dir).map_err(copy_err)?;
-    let tmp_prefix = format!("{name}.tmp.");
-    remove_matching(bin_dir, |n| n.starts_with(&tmp_prefix))?;
+    remove_stale_tmp(bin_dir, name)?;
     if same_content(source, &target).map_err(copy_err)? {
         let md = fs::metadata(&target).map_err(copy_err)?;
         if md.mode() & 0o7777 != BINARY_MODE {
@@ -165,7 +170,7 @@ pub(crate) fn remove_if_exists(path: &Path) -> Result<(), InstallError> {
 }
 
 /// Writes `bytes` to `path` atomically with permission bits `mode`.
-fn atomic_write(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
+pub(crate) fn atomic_write(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
     atomic_write_with(path, mode, |f| f.write_all(bytes))
 }
 

@@ -184,6 +184,7 @@ mod tests {
             run_dir: "/run/z".into(),
             exclude_namespaces: vec![],
             log_level: None,
+            kube: None,
         }
     }
 

@@ -1,6 +1,8 @@
 //! Keeping the installation in place while the agent runs (Istio's `install.go` `Run` loop,
-//! `../shared/spec/istio-cni.md` §2.1): inotify on the conf and bin dirs, re-validation on every
-//! change, throttled repair, and a warning when another component keeps reverting our edit.
+//! `../shared/spec/istio-cni.md` §2.1): inotify on the conf and bin dirs (and, in Kubernetes mode,
+//! the dir of the kubeconfig's source, e.g. the service-account dir, so a rotated token rewrites
+//! the plugin's kubeconfig), re-validation on every change, throttled repair, and a warning when
+//! another component keeps reverting our edit.
 //!
 //! Directory watches (not file watches) survive the atomic renames CNIs use. The watches are re-added
 //! on every pass, so a dir that is created or replaced later gets watched then; while a dir cannot be
@@ -9,7 +11,7 @@
 use std::future::Future;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, RawFd};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -49,11 +51,12 @@ struct DirWatcher {
     fd: AsyncFd<InotifyFd>,
 }
 
-/// Keeps binary and config installed until `shutdown` resolves: checks at start, then after every
-/// change in the conf or bin dir (and every 30 s). A removed or changed binary is copied again; a
-/// config without our (current) entry is repaired, at most once per second; more than 5 repairs in a
-/// row, each within 5 s of the previous, log a "conflicting component" warning (as Istio). With no
-/// primary config yet it waits for one.
+/// Keeps binary, kubeconfig and config installed until `shutdown` resolves: checks at start, then
+/// after every change in the conf or bin dir or the kubeconfig source's dir (and every 30 s). A
+/// removed or changed binary is copied again; the plugin's kubeconfig is rewritten when its content
+/// would change (token rotation) or it was removed; a config without our (current) entry is
+/// repaired, at most once per second; more than 5 repairs in a row, each within 5 s of the previous,
+/// log a "conflicting component" warning (as Istio). With no primary config yet it waits for one.
 ///
 /// Install errors are logged and retried on the next change (throttled the same way). Only a failing
 /// inotify setup or read, or a panicking install task, ends the loop with an error. A write in
@@ -63,17 +66,28 @@ pub async fn watch_and_repair(
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), InstallError> {
     let watcher = DirWatcher::new()?;
+    let mut dirs = vec![cfg.cni_conf_dir.clone(), cfg.cni_bin_dir.clone()];
+    dirs.extend(
+        cfg.kube
+            .as_ref()
+            .and_then(|k| k.source.watched_dir())
+            .map(Path::to_owned),
+    );
     let mut state = Repairer {
         cfg: Arc::new(cfg),
         conf_throttle: Throttle::default(),
         binary_throttle: Throttle::default(),
+        kube_throttle: Throttle::default(),
         binary_fp: None,
         waiting: false,
     };
     tokio::pin!(shutdown);
     loop {
-        let all_watched = watcher.watch(&[&state.cfg.cni_conf_dir, &state.cfg.cni_bin_dir]);
-        if !state.binary_pass(&mut shutdown).await? || !state.conf_pass(&mut shutdown).await? {
+        let all_watched = watcher.watch(&dirs);
+        if !state.binary_pass(&mut shutdown).await?
+            || !state.kube_pass(&mut shutdown).await?
+            || !state.conf_pass(&mut shutdown).await?
+        {
             return Ok(());
         }
         let recheck = if all_watched {
@@ -94,6 +108,7 @@ struct Repairer {
     cfg: Arc<InstallConfig>,
     conf_throttle: Throttle,
     binary_throttle: Throttle,
+    kube_throttle: Throttle,
     /// Fingerprint of the binary as we last installed or verified it.
     binary_fp: Option<Fingerprint>,
     /// Whether "no primary config" was already logged.
@@ -122,11 +137,40 @@ impl Repairer {
         Ok(true)
     }
 
-    /// Re-validates the config and repairs it if needed. Returns `false` on shutdown.
+    /// Rewrites the plugin's kubeconfig if its content would change (Kubernetes mode only). Returns
+    /// `false` on shutdown.
+    async fn kube_pass(
+        &mut self,
+        shutdown: &mut (impl Future<Output = ()> + Unpin),
+    ) -> Result<bool, InstallError> {
+        if self.cfg.kube.is_none() {
+            return Ok(true);
+        }
+        let c = self.cfg.clone();
+        if let Ok(true) = blocking(move || super::kubeconfig_in_place(&c)).await? {
+            return Ok(true);
+        }
+        if !pause(self.kube_throttle.delay(Instant::now()), shutdown).await {
+            return Ok(false);
+        }
+        self.kube_throttle.record(Instant::now());
+        let c = self.cfg.clone();
+        if let Err(e) = blocking(move || super::install_kubeconfig(&c)).await? {
+            tracing::warn!(error = %e, "CNI plugin kubeconfig write failed; will retry");
+        }
+        Ok(true)
+    }
+
+    /// Re-validates the config and repairs it if needed. Returns `false` on shutdown. In
+    /// Kubernetes mode nothing is written while the plugin's kubeconfig does not exist (as
+    /// [`super::install`]: the entry must not name a missing file; `kube_pass` logs why).
     async fn conf_pass(
         &mut self,
         shutdown: &mut (impl Future<Output = ()> + Unpin),
     ) -> Result<bool, InstallError> {
+        if self.cfg.kube.is_some() && !super::kubeconfig_path(&self.cfg.run_dir).exists() {
+            return Ok(true);
+        }
         let c = self.cfg.clone();
         if let Ok(true) = blocking(move || super::conf_in_place(&c)).await? {
             return Ok(true);
@@ -238,7 +282,7 @@ impl DirWatcher {
     }
 
     /// (Re-)adds a watch on each dir; returns whether all of them are watched.
-    fn watch(&self, dirs: &[&Path]) -> bool {
+    fn watch(&self, dirs: &[PathBuf]) -> bool {
         let mask = AddWatchFlags::IN_CREATE
             | AddWatchFlags::IN_CLOSE_WRITE
             | AddWatchFlags::IN_DELETE
@@ -250,7 +294,7 @@ impl DirWatcher {
         let inotify = &self.fd.get_ref().0;
         let mut all = true;
         for dir in dirs {
-            all &= inotify.add_watch(*dir, mask).is_ok();
+            all &= inotify.add_watch(dir.as_path(), mask).is_ok();
         }
         all
     }
