@@ -7,8 +7,11 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use mimalloc::MiMalloc;
+use ztnode::agent::enroll::ENV_AMBIENT_ENABLEMENT_SELECTOR;
 use ztnode::agent::enroll::EnrollmentRules;
-use ztnode::agent::install::InstallConfig;
+use ztnode::agent::install::{
+    DEFAULT_SERVICE_ACCOUNT_DIR, InClusterApi, InstallConfig, KubeconfigSource, PluginKube,
+};
 use ztnode::agent::kube::{KubeAccess, KubeSettings};
 use ztnode::agent::{AgentConfig, KubeMode};
 use ztnode::mesh::{self, PacketMark};
@@ -260,8 +263,8 @@ fn run(cmd: Cmd) -> anyhow::Result<i32> {
         }
         Cmd::Agent(a) => {
             runtime::init_tracing();
-            let cfg = agent_config(&a.agent, &a.mesh)?;
             let kube = kube_mode(&a.agent)?;
+            let cfg = agent_config(&a.agent, &a.mesh, &kube)?;
             let config = local_config(a.config, &kube)?;
             runtime::build()?.block_on(ztnode::node::run_agent(
                 config,
@@ -316,9 +319,9 @@ fn run(cmd: Cmd) -> anyhow::Result<i32> {
             proxy.identity_from_handoff |= kube.is_some();
             let cfg = ztnode::node::NodeConfig {
                 config: local_config(config, &kube)?,
+                agent: agent_config(&agent, &mesh, &kube)?,
                 kube,
                 proxy,
-                agent: agent_config(&agent, &mesh)?,
             };
             runtime::build()?.block_on(ztnode::node::run(cfg, runtime::shutdown_signal()))?;
             Ok(0)
@@ -326,14 +329,25 @@ fn run(cmd: Cmd) -> anyhow::Result<i32> {
     }
 }
 
-fn agent_config(a: &AgentOpts, m: &MeshOpts) -> anyhow::Result<AgentConfig> {
+fn agent_config(
+    a: &AgentOpts,
+    m: &MeshOpts,
+    kube: &Option<KubeMode>,
+) -> anyhow::Result<AgentConfig> {
+    let install = if a.no_install {
+        None
+    } else {
+        let mut icfg = install_config(&a.dirs)?;
+        if let Some(k) = kube {
+            // The plugin decides with the agent's rules, so both see the same settings.
+            icfg.exclude_namespaces = k.rules.excluded.iter().map(str::to_owned).collect();
+            icfg.kube = Some(plugin_kube(k)?);
+        }
+        Some(icfg)
+    };
     Ok(AgentConfig {
         run_dir: a.dirs.run_dir.clone(),
-        install: if a.no_install {
-            None
-        } else {
-            Some(install_config(&a.dirs)?)
-        },
+        install,
         redirect: ztnode::agent::redirect::RedirectPlan {
             ipv6: a.ipv6,
             dns_capture: a.dns_capture,
@@ -368,6 +382,24 @@ fn kube_mode(a: &AgentOpts) -> anyhow::Result<Option<KubeMode>> {
         proc_root: a.proc_root.clone(),
         kubelet_uid: a.kubelet_uid,
     }))
+}
+
+/// What the installer writes for the plugin in Kubernetes mode: a kubeconfig (the agent's own
+/// copied, or one built from the service account) and the rules' settings.
+fn plugin_kube(k: &KubeMode) -> anyhow::Result<PluginKube> {
+    let source = match &k.settings.access {
+        KubeAccess::Kubeconfig(path) => KubeconfigSource::Copy(std::path::absolute(path)?),
+        KubeAccess::InCluster => KubeconfigSource::InCluster(InClusterApi {
+            host: std::env::var("KUBERNETES_SERVICE_HOST").unwrap_or_default(),
+            port: std::env::var("KUBERNETES_SERVICE_PORT").unwrap_or_else(|_| "443".into()),
+            service_account_dir: DEFAULT_SERVICE_ACCOUNT_DIR.into(),
+        }),
+    };
+    Ok(PluginKube {
+        source,
+        enablement_selector: std::env::var(ENV_AMBIENT_ENABLEMENT_SELECTOR).ok(),
+        namespace: k.rules.own.namespace.clone(),
+    })
 }
 
 /// The local config: required in standalone mode.

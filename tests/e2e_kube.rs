@@ -244,7 +244,10 @@ fn enrollment_and_the_status_annotation_follow_the_labels() {
     node.api.wait_redirection("shop", "web", Some("enabled"), t);
     MeshNode::wait_log_in(
         &node.mesh.log,
-        &["pod proxy listening", "spiffe://cluster.local/ns/shop/sa/web"],
+        &[
+            "pod proxy listening",
+            "spiffe://cluster.local/ns/shop/sa/web",
+        ],
         t,
     );
 
@@ -469,4 +472,44 @@ fn watches_survive_a_410_and_an_api_server_outage() {
         "{}",
         node.log()
     );
+}
+
+#[test]
+fn the_plugin_asks_the_api_server_and_fails_closed_only_for_ambient_pods() {
+    if !common::privileged("the_plugin_asks_the_api_server_and_fails_closed_only_for_ambient_pods")
+    {
+        return;
+    }
+    let mut node = KubeNode::start(&common::prefix("k8c"), "");
+    // the plugin's entry as the installer writes it in Kubernetes mode, then the node goes away
+    node.mesh
+        .lab
+        .set_plugin_key("kubeconfig", json!(node.api.kubeconfig));
+    let _ = node.mesh.node.0.kill();
+    let _ = node.mesh.node.0.wait();
+    let lab = &node.mesh.lab;
+    node.api.create_pod(
+        "default",
+        "plain",
+        &lab.pod_uid("plain"),
+        "n",
+        "default",
+        json!({}),
+    );
+    node.api.create_pod(
+        "default",
+        "meshed",
+        &lab.pod_uid("meshed"),
+        "n",
+        "default",
+        json!({"istio.io/dataplane-mode": AMBIENT}),
+    );
+    let plain = lab
+        .add_pod("plain", "default")
+        .expect("a pod outside the mesh starts without the agent");
+    assert!(!MeshNode::ruleset(&plain).contains("istio-ambient"));
+    let err = lab
+        .add_pod("meshed", "default")
+        .expect_err("an ambient pod must not start without the agent");
+    assert!(err.to_string().contains("meshed"), "{err}");
 }

@@ -106,6 +106,25 @@ impl ChainRunner {
         })
     }
 
+    /// Sets `key` to `value` in every entry of type `plugin_type` (e.g. the plugin's
+    /// `kubeconfig`, as the installer would write it).
+    pub fn set_plugin_key(&mut self, plugin_type: &str, key: &str, value: Value) {
+        if let Some(plugins) = self
+            .conflist
+            .get_mut("plugins")
+            .and_then(Value::as_array_mut)
+        {
+            for p in plugins
+                .iter_mut()
+                .filter(|p| p.get("type").and_then(Value::as_str) == Some(plugin_type))
+            {
+                if let Some(entry) = p.as_object_mut() {
+                    entry.insert(key.to_owned(), value.clone());
+                }
+            }
+        }
+    }
+
     fn plugins(&self) -> &[Value] {
         self.conflist
             .get("plugins")

@@ -206,6 +206,11 @@ impl Lab {
         format!("{}-br", self.opts.prefix)
     }
 
+    /// Sets `key` in the lab's `ztnode-cni` entry (for the pods added from now on).
+    pub fn set_plugin_key(&mut self, key: &str, value: Value) {
+        self.runner.set_plugin_key("ztnode-cni", key, value);
+    }
+
     /// The conflist the lab's runtime executes.
     pub fn runner(&self) -> &ChainRunner {
         &self.runner

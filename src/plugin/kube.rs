@@ -14,7 +14,7 @@ use k8s_openapi::api::core::v1::{Namespace, Pod};
 use kube::Api;
 use kube::config::{KubeConfigOptions, Kubeconfig, KubeconfigError};
 
-use crate::agent::enroll::{NamespaceFacts, PodFacts, PodPhase, PodUid};
+use crate::agent::enroll::{NamespaceFacts, PodFacts, PodUid};
 
 /// Total time ADD waits for the API server (client setup and both GETs).
 pub const KUBE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -171,53 +171,33 @@ pub fn pod_facts(
     uid: Option<&str>,
     fallback_ips: &[IpAddr],
 ) -> PodFacts {
-    let meta = &pod.metadata;
-    let spec = pod.spec.as_ref();
-    let status = pod.status.as_ref();
-    let mut ips: Vec<IpAddr> = status
-        .and_then(|s| s.pod_ips.as_ref())
-        .map(|list| list.iter().filter_map(|p| p.ip.parse().ok()).collect())
-        .unwrap_or_default();
-    if ips.is_empty() {
-        ips.extend(
-            status
-                .and_then(|s| s.pod_ip.as_deref())
-                .and_then(|ip| ip.parse::<IpAddr>().ok()),
-        );
+    let mut facts = PodFacts::from_pod(pod);
+    if facts.name.is_empty() {
+        facts.name = name.to_owned();
     }
-    if ips.is_empty() {
-        ips = fallback_ips.to_vec();
+    if facts.namespace.is_empty() {
+        facts.namespace = namespace.to_owned();
     }
-    PodFacts {
-        name: meta.name.clone().unwrap_or_else(|| name.to_owned()),
-        namespace: meta
-            .namespace
-            .clone()
-            .unwrap_or_else(|| namespace.to_owned()),
-        uid: PodUid::new(meta.uid.as_deref().or(uid).unwrap_or_default()),
-        labels: meta.labels.clone().unwrap_or_default(),
-        annotations: meta.annotations.clone().unwrap_or_default(),
-        host_network: spec.and_then(|s| s.host_network).unwrap_or(false),
-        service_account: spec
-            .and_then(|s| s.service_account_name.clone())
-            .unwrap_or_default(),
-        node_name: spec.and_then(|s| s.node_name.clone()).unwrap_or_default(),
-        ips,
-        phase: PodPhase::from_api(status.and_then(|s| s.phase.as_deref()).unwrap_or_default()),
+    if facts.uid.as_str().is_empty()
+        && let Some(uid) = uid
+    {
+        facts.uid = PodUid::new(uid);
     }
+    if facts.ips.is_empty() {
+        facts.ips = fallback_ips.to_vec();
+    }
+    facts
 }
 
 /// The rules' facts of namespace `ns`; `name` fills in a missing `metadata.name`.
 pub fn namespace_facts(ns: &Namespace, name: &str) -> NamespaceFacts {
-    NamespaceFacts {
-        name: ns.metadata.name.clone().unwrap_or_else(|| name.to_owned()),
-        labels: ns.metadata.labels.clone().unwrap_or_default(),
-    }
+    NamespaceFacts::from_namespace(Some(ns), ns.metadata.name.as_deref().unwrap_or(name))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::agent::enroll::PodPhase;
     use serde_json::json;
 
     fn pod(v: serde_json::Value) -> Pod {

@@ -49,7 +49,7 @@ pub struct PluginKube {
     /// The raw `AMBIENT_ENABLEMENT_SELECTOR` value if the variable is set (even to `""`, which
     /// enrolls nothing); `None` = Istio's default selectors, in the plugin as in the agent.
     pub enablement_selector: Option<String>,
-    /// The namespace ztnode runs in (`POD_NAMESPACE`, default `ztnode-system`): the plugin never
+    /// The namespace ztnode runs in (`POD_NAMESPACE`, default `istio-system`): the plugin never
     /// enrolls ztnode's own pods there.
     pub namespace: String,
 }

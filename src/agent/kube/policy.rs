@@ -9,9 +9,10 @@ use futures::future::BoxFuture;
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use kube::api::Api;
 
-use super::facts::{namespace_facts, pod_facts};
 use super::watch::Watches;
-use crate::agent::enroll::{Decision, Enrollment, EnrollmentPolicy, EnrollmentRules, PolicyError};
+use crate::agent::enroll::{
+    Decision, Enrollment, EnrollmentPolicy, EnrollmentRules, NamespaceFacts, PodFacts, PolicyError,
+};
 use crate::podevent::PodAddEvent;
 use crate::zds::WorkloadInfo;
 
@@ -87,14 +88,15 @@ impl KubePolicy {
         };
         let pod = self.pod(ev).await.map_err(err)?;
         let ns = self.namespace(&ev.pod_namespace).await.map_err(err)?;
-        let mut facts = pod_facts(&pod);
+        let mut facts = PodFacts::from_pod(&pod);
         if facts.ips.is_empty() {
             // At CNI ADD time the API has no IPs yet: the plugin's are the pod's (spec §3.4).
             facts.ips = ev.ips.iter().map(|i| i.address.ip).collect();
         }
-        let decision = self
-            .rules
-            .decide(&facts, &namespace_facts(ns.as_deref(), &ev.pod_namespace));
+        let decision = self.rules.decide(
+            &facts,
+            &NamespaceFacts::from_namespace(ns.as_deref(), &ev.pod_namespace),
+        );
         match decision {
             Decision::Enroll { options, .. } => {
                 for w in &options.warnings {

@@ -29,10 +29,11 @@ use kube::api::Api;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use super::facts::{namespace_facts, pod_facts};
 use super::status::{self, Redirection};
 use super::watch::{Change, Watches};
-use crate::agent::enroll::{Decision, Enrollment, EnrollmentRules, SkipReason};
+use crate::agent::enroll::{
+    Decision, Enrollment, EnrollmentRules, NamespaceFacts, PodFacts, SkipReason,
+};
 use crate::agent::netns_finder::{FindError, HostNetns, InterfaceAddrCheck, NetnsFinder, PodQuery};
 use crate::agent::pods::{FoundPod, PodError, PodManager};
 use crate::netns::Netns;
@@ -258,7 +259,7 @@ impl Reconciler {
             }
             return Ok(());
         };
-        let facts = pod_facts(&pod);
+        let facts = PodFacts::from_pod(&pod);
         if let Some(h) = &held
             && !facts.uid.as_str().is_empty()
             && h.uid != facts.uid.as_str()
@@ -268,9 +269,10 @@ impl Reconciler {
             held = None;
         }
         let ns = self.watches.namespace(namespace);
-        let decision = self
-            .rules
-            .decide(&facts, &namespace_facts(ns.as_deref(), namespace));
+        let decision = self.rules.decide(
+            &facts,
+            &NamespaceFacts::from_namespace(ns.as_deref(), namespace),
+        );
         let current = Redirection::of(&pod);
         let want = match (decision, held) {
             (Decision::Enroll { options, .. }, None) => {
