@@ -329,7 +329,11 @@ fn excluded_namespaces_and_own_pods_pass_before_any_api_call() {
         .expect("object")
         .remove("ztnode_namespace");
     plugin
-        .add("ztnode-system", "ztnode-abcde", &v.to_string())
+        .add(
+            ztnode::agent::enroll::DEFAULT_OWN_NAMESPACE,
+            "ztnode-abcde",
+            &v.to_string(),
+        )
         .expect_passthrough(&prev_result());
 }
 
