@@ -10,6 +10,7 @@
 pub mod bench;
 pub mod cnichain;
 pub mod demo;
+pub mod kube;
 mod mesh_lab;
 mod node;
 pub mod pcap;

@@ -50,7 +50,7 @@ impl KubeNode {
             "--node-name".into(),
             prefix.into(),
             "--proc-root".into(),
-            proc.root.clone().into(),
+            proc.root().to_owned().into(),
             "--kubelet-uid".into(),
             KUBELET_UID.to_string().into(),
         ];
@@ -299,8 +299,8 @@ fn lost_state_is_rebuilt_before_the_node_is_ready() {
     assert!(!node.captured("client"));
     // the client's process is not visible yet: its netns cannot be found, and the node must not
     // report ready while the pod is not captured
-    let client_proc = node.proc.root.join("1000");
-    let hidden = node.proc.root.join("hidden-1000");
+    let client_proc = node.proc.root().join("1000");
+    let hidden = node.proc.root().join("hidden-1000");
     std::fs::rename(&client_proc, &hidden).expect("hide the client's process");
     node.restart_node();
     let deadline = Instant::now() + Duration::from_secs(3);
@@ -484,7 +484,7 @@ fn the_plugin_asks_the_api_server_and_fails_closed_only_for_ambient_pods() {
     // the plugin's entry as the installer writes it in Kubernetes mode, then the node goes away
     node.mesh
         .lab
-        .set_plugin_key("kubeconfig", json!(node.api.kubeconfig));
+        .set_plugin_key("kubeconfig", json!(node.api.kubeconfig()));
     let _ = node.mesh.node.0.kill();
     let _ = node.mesh.node.0.wait();
     let lab = &node.mesh.lab;

@@ -56,6 +56,9 @@ pub enum LabError {
         "tcpdump did not start listening on the bridge (is the tcpdump package installed?); see {0}"
     )]
     Capture(PathBuf),
+    /// The fake API server did not start, or answered a request with an error.
+    #[error("fake API server: {0}")]
+    FakeApi(String),
 }
 
 /// Options of a lab.

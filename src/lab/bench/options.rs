@@ -38,7 +38,19 @@ pub enum Section {
     Memory,
     /// CNI ADD exec time over the extra pods.
     Cni,
+    /// Kubernetes mode: enrollment of `--pods` running labelled pods from the node's start, and
+    /// the plugin's ADD time when it asks the API server (needs the fake API server).
+    Kube,
 }
+
+/// The sections that use the main lab (all but [`Section::Kube`]).
+pub(super) const MAIN_LAB_SECTIONS: [Section; 5] = [
+    Section::Throughput,
+    Section::Latency,
+    Section::Rate,
+    Section::Memory,
+    Section::Cni,
+];
 
 /// Default name prefix of the lab (netns `ztbench-node`, `ztbench-m-client`, ...).
 pub const DEFAULT_LAB_PREFIX: &str = "ztbench";
