@@ -251,6 +251,23 @@ fn enrollment_and_the_status_annotation_follow_the_labels() {
         t,
     );
 
+    // an annotation that changes the pod's rules (ingress mode: no inbound capture) is applied
+    node.api.annotate_pod(
+        "shop",
+        "web",
+        json!({"ambient.istio.io/bypass-inbound-capture": "true"}),
+    );
+    let deadline = Instant::now() + t;
+    while MeshNode::ruleset(node.pod("web")).contains("redirect to :15006") {
+        assert!(
+            Instant::now() < deadline,
+            "ingress mode not applied:\n{}",
+            node.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(node.captured("web"), "outbound capture stays");
+
     // a pod labelled `none` leaves the mesh: rules gone, annotation gone, plain traffic
     node.api.label_pod(
         "default",
@@ -385,6 +402,45 @@ fn kubelet_probes_reach_enrolled_pods_past_an_identity_policy() {
     };
     assert_eq!(peer.ip().to_string(), "169.254.7.127");
     drop(probe);
+    // host rules flushed by someone else are put back
+    let host_rules = || {
+        let out = std::process::Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                node.mesh.lab.node_name(),
+                "nft",
+                "list",
+                "ruleset",
+            ])
+            .output()
+            .expect("nft");
+        String::from_utf8_lossy(&out.stdout).contains("snat ip to 169.254.7.127")
+    };
+    assert!(host_rules(), "no host probe rule");
+    let flushed = std::process::Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            node.mesh.lab.node_name(),
+            "nft",
+            "flush",
+            "table",
+            "inet",
+            "istio-ambient-nat",
+        ])
+        .status()
+        .expect("nft");
+    assert!(flushed.success() && !host_rules());
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !host_rules() {
+        assert!(
+            Instant::now() < deadline,
+            "host rules not repaired:\n{}",
+            node.log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
 }
 
 #[test]

@@ -548,6 +548,26 @@ impl PodManager {
         Ok(())
     }
 
+    /// Re-applies the rules of enrolled pod `uid` with `options` (its annotations changed) and
+    /// keeps them. Errors: [`PodError::NotEnrolled`], [`PodError::Redirect`].
+    pub async fn update_options(&self, uid: &str, options: PodOptions) -> Result<(), PodError> {
+        let Some(pod) = self.table().pods.get(uid).cloned() else {
+            return Err(PodError::NotEnrolled(uid.to_owned()));
+        };
+        let name = format!("{}/{}", pod.info.namespace, pod.info.name);
+        self.apply_rules(&name, &pod.handle, &options).await?;
+        let snapshot = self
+            .update(|pods| {
+                if let Some(p) = pods.get_mut(uid) {
+                    p.options = options;
+                }
+            })
+            .1;
+        self.persist(snapshot).await;
+        tracing::info!(pod = %name, %uid, "redirection re-applied with the pod's new options");
+        Ok(())
+    }
+
     /// The enrolled pod `namespace/name`, if any.
     pub fn find(&self, namespace: &str, name: &str) -> Option<EnrolledPod> {
         self.table()

@@ -225,6 +225,22 @@ impl FakeApi {
         .map(drop)
     }
 
+    /// Sets annotations of pod `namespace/name` (merge patch; `null` removes one).
+    pub fn annotate_pod(
+        &self,
+        namespace: &str,
+        name: &str,
+        annotations: Value,
+    ) -> Result<(), LabError> {
+        let body = json!({"metadata": {"annotations": annotations}});
+        self.ok(
+            "PATCH",
+            &format!("/api/v1/namespaces/{namespace}/pods/{name}"),
+            Some(("application/merge-patch+json", &body)),
+        )
+        .map(drop)
+    }
+
     /// Marks pod `namespace/name` running with IP `ip` (what the kubelet reports).
     pub fn set_pod_running(&self, namespace: &str, name: &str, ip: IpAddr) -> Result<(), LabError> {
         let body = json!({"status": {"phase": "Running", "podIP": ip.to_string(),

@@ -79,6 +79,12 @@ impl FakeApi {
             .expect("label pod");
     }
 
+    pub fn annotate_pod(&self, namespace: &str, name: &str, annotations: Value) {
+        self.0
+            .annotate_pod(namespace, name, annotations)
+            .expect("annotate pod");
+    }
+
     pub fn set_pod_running(&self, namespace: &str, name: &str, ip: IpAddr) {
         self.0
             .set_pod_running(namespace, name, ip)

@@ -32,7 +32,7 @@ use tokio::time::Instant;
 use super::status::{self, Redirection};
 use super::watch::{Change, Watches};
 use crate::agent::enroll::{
-    Decision, Enrollment, EnrollmentRules, NamespaceFacts, PodFacts, SkipReason,
+    Decision, Enrollment, EnrollmentRules, NamespaceFacts, PodFacts, PodOptions, SkipReason,
 };
 use crate::agent::netns_finder::{FindError, HostNetns, InterfaceAddrCheck, NetnsFinder, PodQuery};
 use crate::agent::pods::{FoundPod, PodError, PodManager};
@@ -311,6 +311,11 @@ impl Reconciler {
                 let res = self.pods.retry_proxy(&h.uid).await;
                 self.after_proxy(res, namespace, name, current).await?
             }
+            (Decision::Enroll { options, .. }, Some(h)) if !same_rules(&options, &h.options) => {
+                // The pod's annotations changed its redirection options: new rules, same proxy.
+                self.pods.update_options(&h.uid, options).await?;
+                Some(Redirection::Enabled)
+            }
             (Decision::Enroll { .. }, Some(_)) => Some(Redirection::Enabled),
             (Decision::Skip(reason), Some(h)) => {
                 tracing::info!(pod = %label, %reason, "leaving the mesh");
@@ -395,6 +400,13 @@ impl Reconciler {
                 source,
             })
     }
+}
+
+/// Whether two option sets program the same rules (warnings aside).
+fn same_rules(a: &PodOptions, b: &PodOptions) -> bool {
+    a.bypass_inbound_capture == b.bypass_inbound_capture
+        && a.dns_capture_override == b.dns_capture_override
+        && a.reroute_virtual_interfaces == b.reroute_virtual_interfaces
 }
 
 fn key_of(p: &Pod) -> PodKey {

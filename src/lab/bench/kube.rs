@@ -61,12 +61,21 @@ pub(super) fn measure(opts: &BenchOptions, figures: &mut Figures) -> anyhow::Res
     let pods = opts.pods.max(1);
     for i in 0..pods {
         let name = format!("r{i:03}");
-        api.create_pod("bench", &name, &lab.pod_uid(&name), &node_name, "bench", json!({}))?;
+        api.create_pod(
+            "bench",
+            &name,
+            &lab.pod_uid(&name),
+            &node_name,
+            "bench",
+            json!({}),
+        )?;
         let pod = lab.add_pod(&name, "bench")?;
         api.set_pod_running("bench", &name, pod.ip)?;
         proc.pod(1000 + i as u32, &pod.uid, &pod.netns_name)?;
     }
-    eprintln!("bench: {pods} pods run outside the mesh; labelling their namespace and starting the node");
+    eprintln!(
+        "bench: {pods} pods run outside the mesh; labelling their namespace and starting the node"
+    );
     api.label_namespace("bench", json!({"istio.io/dataplane-mode": "ambient"}))?;
     let config = dir.join("local-config.yaml");
     std::fs::write(&config, "workloads: []\n")?;
@@ -103,7 +112,14 @@ pub(super) fn measure(opts: &BenchOptions, figures: &mut Figures) -> anyhow::Res
     let mut add_ms = Vec::new();
     for i in 0..ADD_SAMPLES {
         let name = format!("a{i:03}");
-        api.create_pod("bench", &name, &lab.pod_uid(&name), &node_name, "bench", json!({}))?;
+        api.create_pod(
+            "bench",
+            &name,
+            &lab.pod_uid(&name),
+            &node_name,
+            "bench",
+            json!({}),
+        )?;
         let pod = lab.add_pod(&name, "bench")?;
         add_ms.extend(
             pod.add_timings
