@@ -218,7 +218,7 @@ async fn install_host_probe(probe: &Arc<redirect::host::HostProbe>) -> Result<()
         let p = probe.clone();
         let res = tokio::task::spawn_blocking(move || p.apply())
             .await
-            .unwrap_or(Ok(()));
+            .unwrap_or(Err(redirect::host::HostProbeError::Task));
         match res {
             Ok(()) => {
                 tracing::info!(
@@ -259,7 +259,7 @@ async fn repair_host_probe(
         let res = match tokio::task::spawn_blocking(move || p.apply()).await {
             Ok(Ok(())) => pods.sync_host_probe().await,
             Ok(Err(e)) => Err(e),
-            Err(_) => Ok(()),
+            Err(_) => Err(redirect::host::HostProbeError::Task),
         };
         if let Err(e) = res {
             tracing::warn!(error = %e, "repairing the host probe rules failed");

@@ -83,6 +83,8 @@ impl KubeNode {
             |stage| {
                 if let MeshStage::LabBuilt(lab) = stage {
                     let a = FakeApi::start(lab, &dir);
+                    // the plugin's entry as the installer writes it in Kubernetes mode
+                    lab.set_plugin_key("kubeconfig", json!(a.kubeconfig()));
                     a.create_namespace("shop", json!({}));
                     for (ns, name, sa, labels) in [
                         (
@@ -537,10 +539,7 @@ fn the_plugin_asks_the_api_server_and_fails_closed_only_for_ambient_pods() {
         return;
     }
     let mut node = KubeNode::start(&common::prefix("k8c"), "");
-    // the plugin's entry as the installer writes it in Kubernetes mode, then the node goes away
-    node.mesh
-        .lab
-        .set_plugin_key("kubeconfig", json!(node.api.kubeconfig()));
+    // the node goes away (the plugin's entry has the kubeconfig, as the installer writes it)
     let _ = node.mesh.node.0.kill();
     let _ = node.mesh.node.0.wait();
     let lab = &node.mesh.lab;

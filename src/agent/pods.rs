@@ -485,7 +485,7 @@ impl PodManager {
                 .find(|(uid, p)| {
                     // A container id names one sandbox: a late DEL of an old sandbox must not
                     // remove the pod's new one, so it alone decides when present.
-                    if !ev.container_id.is_empty() {
+                    if !ev.container_id.is_empty() && !p.container_id.is_empty() {
                         p.container_id == ev.container_id
                     } else if !ev.pod_uid.is_empty() {
                         **uid == ev.pod_uid
@@ -611,7 +611,7 @@ impl PodManager {
             .collect();
         tokio::task::spawn_blocking(move || probe.sync(&pods))
             .await
-            .unwrap_or(Ok(()))
+            .unwrap_or(Err(redirect::host::HostProbeError::Task))
     }
 
     /// Adds (or removes) a pod's IPs to (from) the host probe sets; a failure is logged (the
@@ -639,7 +639,9 @@ impl PodManager {
     async fn release(&self, pod: EnrolledPod, remove_rules: bool) -> Result<(), PodError> {
         self.probe_set(&pod.uid, pod.ips.clone(), false).await;
         let name = format!("{}/{}", pod.info.namespace, pod.info.name);
-        if remove_rules && Path::new(&pod.netns).exists() {
+        // Through the held handle: the path may be gone (a `/proc/<pid>` of an exited process)
+        // while the namespace still exists; removing rules from a dying one is harmless.
+        if remove_rules {
             let ns = pod.handle.clone();
             let rules = self.rules.clone();
             let res = tokio::task::spawn_blocking(move || rules.remove(&ns))

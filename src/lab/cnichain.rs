@@ -71,9 +71,10 @@ pub struct Attachment {
 }
 
 /// Runs one conflist.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct ChainRunner {
-    conflist: Value,
+    /// Behind a lock so a key can be set while the runner is shared ([`ChainRunner::set_plugin_key`]).
+    conflist: std::sync::RwLock<Value>,
     cni_path: Vec<PathBuf>,
     exec_netns: Option<Netns>,
 }
@@ -100,7 +101,7 @@ impl ChainRunner {
             return Err(ChainError::InvalidConflist("no name"));
         }
         Ok(ChainRunner {
-            conflist,
+            conflist: std::sync::RwLock::new(conflist),
             cni_path,
             exec_netns,
         })
@@ -108,12 +109,12 @@ impl ChainRunner {
 
     /// Sets `key` to `value` in every entry of type `plugin_type` (e.g. the plugin's
     /// `kubeconfig`, as the installer would write it).
-    pub fn set_plugin_key(&mut self, plugin_type: &str, key: &str, value: Value) {
-        if let Some(plugins) = self
+    pub fn set_plugin_key(&self, plugin_type: &str, key: &str, value: Value) {
+        let mut conflist = self
             .conflist
-            .get_mut("plugins")
-            .and_then(Value::as_array_mut)
-        {
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(plugins) = conflist.get_mut("plugins").and_then(Value::as_array_mut) {
             for p in plugins
                 .iter_mut()
                 .filter(|p| p.get("type").and_then(Value::as_str) == Some(plugin_type))
@@ -125,19 +126,26 @@ impl ChainRunner {
         }
     }
 
-    fn plugins(&self) -> &[Value] {
+    fn conflist(&self) -> std::sync::RwLockReadGuard<'_, Value> {
         self.conflist
-            .get("plugins")
-            .and_then(Value::as_array)
-            .map(Vec::as_slice)
-            .unwrap_or(&[])
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    fn version(&self) -> &str {
-        self.conflist
+    fn plugins(&self) -> Vec<Value> {
+        self.conflist()
+            .get("plugins")
+            .and_then(Value::as_array)
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    fn version(&self) -> String {
+        self.conflist()
             .get("cniVersion")
             .and_then(Value::as_str)
             .unwrap_or("0.4.0")
+            .to_owned()
     }
 
     /// CNI ADD through the whole chain; returns the final result.
@@ -153,7 +161,7 @@ impl ChainRunner {
     ) -> Result<(Value, Vec<(String, std::time::Duration)>), ChainError> {
         let mut prev: Option<Value> = None;
         let mut timings = Vec::new();
-        for plugin in self.plugins() {
+        for plugin in &self.plugins() {
             let start = std::time::Instant::now();
             let out = self.exec(plugin, "ADD", att, prev.as_ref())?;
             timings.push((plugin_type(plugin), start.elapsed()));
@@ -175,7 +183,7 @@ impl ChainRunner {
 
     /// CNI CHECK through the chain with the cached ADD result.
     pub fn check(&self, att: &Attachment, result: &Value) -> Result<(), ChainError> {
-        for plugin in self.plugins() {
+        for plugin in &self.plugins() {
             self.exec(plugin, "CHECK", att, Some(result))?;
         }
         Ok(())
@@ -199,11 +207,8 @@ impl ChainRunner {
         let ty = plugin_type(plugin);
         let bin = self.find(&ty)?;
         let mut conf: Map<String, Value> = plugin.as_object().cloned().unwrap_or_default();
-        conf.insert("name".into(), self.conflist["name"].clone());
-        conf.insert(
-            "cniVersion".into(),
-            Value::String(self.version().to_owned()),
-        );
+        conf.insert("name".into(), self.conflist()["name"].clone());
+        conf.insert("cniVersion".into(), Value::String(self.version()));
         if let Some(p) = prev {
             conf.insert("prevResult".into(), p.clone());
         }

@@ -210,7 +210,7 @@ impl Lab {
     }
 
     /// Sets `key` in the lab's `ztnode-cni` entry (for the pods added from now on).
-    pub fn set_plugin_key(&mut self, key: &str, value: Value) {
+    pub fn set_plugin_key(&self, key: &str, value: Value) {
         self.runner.set_plugin_key("ztnode-cni", key, value);
     }
 

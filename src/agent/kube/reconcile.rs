@@ -24,7 +24,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Namespace, Pod};
 use kube::api::Api;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -75,6 +75,9 @@ pub enum ReconcileError {
         #[source]
         source: kube::Error,
     },
+    /// An API call took longer than [`API_TIMEOUT`].
+    #[error("pod {0}: the API server did not answer within {API_TIMEOUT:?}")]
+    ApiTimeout(String),
     /// A blocking task died.
     #[error("pod {0}: worker task failed")]
     Task(String),
@@ -200,8 +203,13 @@ impl Reconciler {
                     }
                 },
                 Some(key) = local.recv() => queue.push(key),
-                _ = sleep_until(next), if next.is_some() => queue.due(Instant::now()),
+                _ = sleep_until(next), if next.is_some() => {}
             }
+            if !(pods_listed && namespaces_listed) {
+                // Until both lists are in, a pod's namespace may be missing: decide nothing yet.
+                continue;
+            }
+            queue.due(Instant::now());
             while let Some(key) = queue.pop() {
                 match self.reconcile(&key.0, &key.1).await {
                     Ok(()) => queue.succeeded(&key),
@@ -253,7 +261,7 @@ impl Reconciler {
         let mut held = self.pods.find(namespace, name);
         let Some(pod) = self.watches.pod(namespace, name) else {
             if let Some(h) = held
-                && !self.exists(namespace, name, &label).await?
+                && self.api_uid(namespace, name, &label).await?.as_deref() != Some(h.uid.as_str())
             {
                 self.pods.unenroll(&h.uid, false).await?;
             }
@@ -264,11 +272,15 @@ impl Reconciler {
             && !facts.uid.as_str().is_empty()
             && h.uid != facts.uid.as_str()
         {
+            if self.api_uid(namespace, name, &label).await?.as_deref() == Some(h.uid.as_str()) {
+                // The store lags behind a pod the plugin just enrolled: wait for the watch.
+                return Ok(());
+            }
             // The pod was recreated under the same name: the old sandbox is gone.
             self.pods.unenroll(&h.uid, false).await?;
             held = None;
         }
-        let ns = self.watches.namespace(namespace);
+        let ns = self.namespace(namespace, &label).await?;
         let decision = self.rules.decide(
             &facts,
             &NamespaceFacts::from_namespace(ns.as_deref(), namespace),
@@ -370,21 +382,34 @@ impl Reconciler {
         Ok((found.netns, found.path))
     }
 
-    /// Whether the API server still has the pod (the store may lag behind a fresh ADD).
-    async fn exists(
+    /// Namespace `name`: from the store, else from the API server (a namespace the watch has not
+    /// delivered yet must not read as "no labels").
+    async fn namespace(
+        &self,
+        name: &str,
+        label: &str,
+    ) -> Result<Option<Arc<Namespace>>, ReconcileError> {
+        if let Some(ns) = self.watches.namespace(name) {
+            return Ok(Some(ns));
+        }
+        let api: Api<Namespace> = Api::all(self.client.clone());
+        api_call(label, api.get_opt(name))
+            .await
+            .map(|n| n.map(Arc::new))
+    }
+
+    /// The uid the API server has for pod `namespace/name` now (`None`: no such pod); the store
+    /// may lag behind a fresh ADD or a recreation.
+    async fn api_uid(
         &self,
         namespace: &str,
         name: &str,
         label: &str,
-    ) -> Result<bool, ReconcileError> {
+    ) -> Result<Option<String>, ReconcileError> {
         let api: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
-        api.get_opt(name)
+        api_call(label, api.get_opt(name))
             .await
-            .map(|p| p.is_some())
-            .map_err(|source| ReconcileError::Api {
-                pod: label.to_owned(),
-                source,
-            })
+            .map(|p| p.and_then(|p| p.metadata.uid))
     }
 
     async fn write_status(
@@ -393,12 +418,29 @@ impl Reconciler {
         name: &str,
         value: Option<Redirection>,
     ) -> Result<(), ReconcileError> {
-        status::write(&self.client, namespace, name, value)
-            .await
-            .map_err(|source| ReconcileError::Api {
-                pod: format!("{namespace}/{name}"),
-                source,
-            })
+        api_call(
+            &format!("{namespace}/{name}"),
+            status::write(&self.client, namespace, name, value),
+        )
+        .await
+    }
+}
+
+/// How long one API call of the reconciler may take (the watches have their own timeouts).
+pub const API_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Runs one API call for pod `label` within [`API_TIMEOUT`].
+async fn api_call<T>(
+    label: &str,
+    call: impl std::future::Future<Output = Result<T, kube::Error>>,
+) -> Result<T, ReconcileError> {
+    match tokio::time::timeout(API_TIMEOUT, call).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(source)) => Err(ReconcileError::Api {
+            pod: label.to_owned(),
+            source,
+        }),
+        Err(_) => Err(ReconcileError::ApiTimeout(label.to_owned())),
     }
 }
 

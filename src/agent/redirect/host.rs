@@ -91,6 +91,9 @@ pub enum HostProbeError {
     /// [`HostProbe::entries`]) means the sets are missing: [`HostProbe::apply`] first.
     #[error("host probe nftables: {0}")]
     Nft(#[from] NftError),
+    /// The blocking task that programmed the rules died.
+    #[error("host probe worker task failed")]
+    Task,
 }
 
 impl HostProbe {

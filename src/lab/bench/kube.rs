@@ -46,7 +46,7 @@ pub(super) fn measure(opts: &BenchOptions, figures: &mut Figures) -> anyhow::Res
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir)?;
     let exe = std::env::current_exe()?;
-    let mut lab = Lab::new(LabOptions {
+    let lab = Lab::new(LabOptions {
         prefix: prefix.clone(),
         ztnode_binary: Some(exe.clone()),
         run_dir: dir.join("run"),
@@ -129,6 +129,7 @@ pub(super) fn measure(opts: &BenchOptions, figures: &mut Figures) -> anyhow::Res
         );
     }
     add_ms.sort_by(f64::total_cmp);
+    super::report::keep_log(&opts.json.with_extension("kube.json"), &log);
     figures.values.push(Value::new(
         &format!("kube: {pods} running pods enrolled + annotated (ms)"),
         "kube_enroll_running_pods_ms",
