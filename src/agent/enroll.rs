@@ -8,7 +8,8 @@
 //! function of a pod's [`PodFacts`], its [`NamespaceFacts`] and the rules' configuration
 //! (`AMBIENT_ENABLEMENT_SELECTOR`, `EXCLUDE_NAMESPACES`, ztnode's own namespace), returning a
 //! [`Decision`] that says why and carries the pod's [`PodOptions`]. The plugin and the agent both
-//! call it, so they cannot disagree. Its submodules depend only on `crate::mesh`, std and serde.
+//! call it, so they cannot disagree. Its submodules depend only on `crate::mesh`, std, serde and
+//! the Kubernetes object types (`k8s-openapi`), so the plugin can use them.
 //!
 //! | rule (first that applies wins) | result | spec |
 //! |---|---|---|

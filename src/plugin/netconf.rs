@@ -106,7 +106,7 @@ pub struct KubeConf {
     pub kubeconfig: PathBuf,
     /// The agent's rules: selectors from `ambient_enablement_selector` (absent = Istio's default
     /// selectors; `""` = nothing enrolled), excluded namespaces from `exclude_namespaces`, own pods
-    /// in `ztnode_namespace` (absent or empty = `ztnode-system`), the defaults of
+    /// in `ztnode_namespace` (absent or empty = `istio-system`), the defaults of
     /// `EnrollmentRules::from_env`.
     pub rules: EnrollmentRules,
 }
