@@ -65,6 +65,11 @@ pub struct KubeMode {
     /// The kubelet's UID, whose probes to enrolled pods are SNATed (`None`: found in
     /// `proc_root`).
     pub kubelet_uid: Option<u32>,
+    /// The agent's own DaemonSet, looked up on shutdown: gone (or being deleted) means a real
+    /// uninstall, so the plugin, its config entry and kubeconfig and the host rules are removed;
+    /// there means an upgrade or a reboot, so they stay (new pods fail closed until the next
+    /// agent is up). Default `(POD_NAMESPACE, "ztnode")`.
+    pub daemonset: (String, String),
 }
 
 /// Host probe rule attempts at start and the pause between them (istio-cni: 10 × 2 s, then the
@@ -115,6 +120,17 @@ pub struct Agent {
     pub pods: Arc<PodManager>,
     server_task: JoinHandle<()>,
     sock_path: PathBuf,
+    uninstall: Option<UninstallCheck>,
+}
+
+/// What [`Agent::join`] needs to tell an uninstall from an upgrade in Kubernetes mode, and to
+/// clean up after a real uninstall (`../shared/spec/istio-cni.md` §2.6, §3.10).
+struct UninstallCheck {
+    client: ::kube::Client,
+    /// The agent's own DaemonSet: `(namespace, name)`.
+    daemonset: (String, String),
+    install: Option<install::InstallConfig>,
+    probe: Arc<redirect::host::HostProbe>,
 }
 
 /// Starts the agent: the pod manager handing pods to `proxy` after `source` enrolled them (pods
@@ -136,9 +152,11 @@ pub async fn start(
         let _ = stop_tx.send(true);
     });
     let socket_ready = ready.register(PLUGIN_SOCKET_TASK);
+    let mut daemonset = (String::new(), String::new());
     let (policy, kube_mode): (Arc<dyn EnrollmentPolicy>, _) = match source {
         EnrollmentSource::Policy(p) => (p, None),
         EnrollmentSource::Kubernetes(mode) => {
+            daemonset = mode.daemonset.clone();
             let client = kube::client(&mode.settings.access).await?;
             let (changes_tx, changes_rx) = tokio::sync::mpsc::unbounded_channel();
             let watches = Watches::start(client.clone(), &mode.settings.node_name, changes_tx);
@@ -163,7 +181,14 @@ pub async fn start(
     pods.restore(&cfg.run_dir)
         .await
         .map_err(AgentError::Restore)?;
+    let mut uninstall = None;
     if let Some((client, watches, rules, changes, proc_root, probe)) = kube_mode {
+        uninstall = Some(UninstallCheck {
+            client: client.clone(),
+            daemonset: daemonset.clone(),
+            install: cfg.install.clone(),
+            probe: probe.clone(),
+        });
         pods.set_host_probe(probe.clone());
         pods.sync_host_probe().await?;
         tokio::spawn(repair_host_probe(
@@ -208,6 +233,7 @@ pub async fn start(
         pods,
         server_task,
         sock_path,
+        uninstall,
     })
 }
 
@@ -273,5 +299,75 @@ impl Agent {
     pub async fn join(self) {
         let _ = self.server_task.await;
         let _ = std::fs::remove_file(&self.sock_path);
+        if let Some(check) = self.uninstall {
+            check.run().await;
+        }
+    }
+}
+
+impl UninstallCheck {
+    /// After the agent stopped: removes what it installed on the host when its DaemonSet is gone
+    /// or being deleted; keeps everything when it is there or cannot be read (the safe side: pods
+    /// fail closed rather than start unmeshed). In-pod rules are never removed here.
+    async fn run(self) {
+        let (ns, name) = &self.daemonset;
+        let api: ::kube::Api<k8s_openapi::api::apps::v1::DaemonSet> =
+            ::kube::Api::namespaced(self.client.clone(), ns);
+        let found = tokio::time::timeout(UNINSTALL_CHECK_TIMEOUT, api.get_opt(name))
+            .await
+            .map_err(|_| "the API server did not answer".to_owned())
+            .and_then(|r| r.map_err(|e| e.to_string()));
+        if let Err(e) = &found {
+            tracing::warn!(daemonset = %format!("{ns}/{name}"), error = %e, "cannot tell an uninstall from an upgrade; keeping the plugin and host rules");
+        }
+        if !is_uninstall(&found) {
+            tracing::info!(daemonset = %format!("{ns}/{name}"), "upgrade or reboot: the plugin and host rules stay");
+            return;
+        }
+        tracing::info!(daemonset = %format!("{ns}/{name}"), "DaemonSet gone: uninstalling the plugin and the host rules");
+        if let Some(icfg) = self.install {
+            let res = tokio::task::spawn_blocking(move || install::uninstall(&icfg)).await;
+            if let Ok(Err(e)) = res {
+                tracing::warn!(error = %e, "removing the CNI plugin failed");
+            }
+        }
+        let probe = self.probe;
+        match tokio::task::spawn_blocking(move || probe.remove()).await {
+            Ok(Ok(())) => tracing::info!("host probe rules removed"),
+            Ok(Err(e)) => tracing::warn!(error = %e, "removing the host probe rules failed"),
+            Err(_) => tracing::warn!("removing the host probe rules failed (worker task)"),
+        }
+    }
+}
+
+/// Whether the lookup of the agent's DaemonSet says uninstall: gone, or being deleted. An error
+/// says no (keep everything: pods fail closed).
+fn is_uninstall(found: &Result<Option<k8s_openapi::api::apps::v1::DaemonSet>, String>) -> bool {
+    match found {
+        Ok(None) => true,
+        Ok(Some(ds)) => ds.metadata.deletion_timestamp.is_some(),
+        Err(_) => false,
+    }
+}
+
+/// How long the shutdown's DaemonSet lookup may take.
+const UNINSTALL_CHECK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::apps::v1::DaemonSet;
+
+    #[test]
+    fn only_a_gone_or_deleted_daemonset_means_uninstall() {
+        assert!(is_uninstall(&Ok(None)));
+        assert!(!is_uninstall(&Ok(Some(DaemonSet::default()))));
+        let mut deleting = DaemonSet::default();
+        deleting.metadata.deletion_timestamp =
+            Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+            ));
+        assert!(is_uninstall(&Ok(Some(deleting))));
+        assert!(!is_uninstall(&Err("unreachable".into())));
     }
 }

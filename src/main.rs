@@ -376,7 +376,12 @@ fn kube_mode(a: &AgentOpts) -> anyhow::Result<Option<KubeMode>> {
         .filter(|n| !n.is_empty())
         .ok_or(ztnode::agent::kube::KubeError::NoNodeName)?;
     let rules = EnrollmentRules::from_env(|k| std::env::var(k).ok())?;
+    let daemonset = (
+        rules.own.namespace.clone(),
+        std::env::var("ZTNODE_DAEMONSET").unwrap_or_else(|_| "ztnode".into()),
+    );
     Ok(Some(KubeMode {
+        daemonset,
         settings: KubeSettings { access, node_name },
         rules,
         proc_root: a.proc_root.clone(),
