@@ -19,7 +19,7 @@
 //! should be in the mesh is captured before the node reports ready), or [`READY_GRACE`] after the
 //! lists if some pod keeps failing.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -31,10 +31,13 @@ use tokio::time::Instant;
 
 use super::status::{self, Redirection};
 use super::watch::{Change, Watches};
+use crate::agent::enroll::PodUid;
 use crate::agent::enroll::{
     Decision, Enrollment, EnrollmentRules, NamespaceFacts, PodFacts, PodOptions, SkipReason,
 };
-use crate::agent::netns_finder::{FindError, HostNetns, InterfaceAddrCheck, NetnsFinder, PodQuery};
+use crate::agent::netns_finder::{
+    FindError, FoundNetns, HostNetns, InterfaceAddrCheck, NetnsFinder, PodQuery,
+};
 use crate::agent::pods::{FoundPod, PodError, PodManager};
 use crate::netns::Netns;
 use crate::ready::Task;
@@ -90,7 +93,16 @@ pub struct Reconciler {
     client: kube::Client,
     rules: Arc<EnrollmentRules>,
     finder: Arc<NetnsFinder<InterfaceAddrCheck>>,
+    /// The last procfs scan, for the pods that wanted a netns then: one scan serves a burst of
+    /// pods (a namespace labelled, the first pass after a restart) instead of one per pod.
+    scan: std::sync::Mutex<Option<(Instant, ScanResults)>>,
 }
+
+/// Results of one [`NetnsFinder::find_all`].
+type ScanResults = BTreeMap<PodUid, Result<FoundNetns, FindError>>;
+
+/// How long a scan's results are used.
+const SCAN_REUSE: Duration = Duration::from_secs(2);
 
 #[derive(Default)]
 struct Queue {
@@ -163,6 +175,7 @@ impl Reconciler {
                 HostNetns::Id(host),
                 InterfaceAddrCheck,
             )),
+            scan: std::sync::Mutex::new(None),
         })
     }
 
@@ -371,15 +384,67 @@ impl Reconciler {
         query: PodQuery,
         label: &str,
     ) -> Result<(Netns, PathBuf), ReconcileError> {
+        let netns_err = |source| ReconcileError::Netns {
+            pod: label.to_owned(),
+            source,
+        };
+        if let Some(hit) = self.take_scanned(&query.uid) {
+            let found = hit.map_err(netns_err)?;
+            return Ok((found.netns, found.path));
+        }
+        let mut queries = self.wanting_netns();
+        if !queries.iter().any(|q| q.uid == query.uid) {
+            queries.push(query.clone());
+        }
         let finder = self.finder.clone();
-        let found = tokio::task::spawn_blocking(move || finder.find(&query))
+        let results = tokio::task::spawn_blocking(move || finder.find_all(&queries))
             .await
             .map_err(|_| ReconcileError::Task(label.to_owned()))?
-            .map_err(|source| ReconcileError::Netns {
-                pod: label.to_owned(),
-                source,
-            })?;
+            .map_err(|e| netns_err(FindError::Scan(e)))?;
+        *self.scan.lock().unwrap_or_else(|p| p.into_inner()) = Some((Instant::now(), results));
+        let found = self
+            .take_scanned(&query.uid)
+            .unwrap_or(Err(FindError::NotFound {
+                uid: query.uid.clone(),
+                in_host_netns: 0,
+            }))
+            .map_err(netns_err)?;
         Ok((found.netns, found.path))
+    }
+
+    /// Takes `uid`'s result out of a recent scan.
+    fn take_scanned(&self, uid: &PodUid) -> Option<Result<FoundNetns, FindError>> {
+        let mut scan = self.scan.lock().unwrap_or_else(|p| p.into_inner());
+        let (at, results) = scan.as_mut()?;
+        if at.elapsed() > SCAN_REUSE {
+            *scan = None;
+            return None;
+        }
+        results.remove(uid)
+    }
+
+    /// Every pod of the store the rules put in the mesh that is not enrolled yet and has IPs.
+    fn wanting_netns(&self) -> Vec<PodQuery> {
+        self.watches
+            .pods
+            .state()
+            .iter()
+            .map(|p| PodFacts::from_pod(p))
+            .filter(|f| !f.ips.is_empty() && self.pods.find(&f.namespace, &f.name).is_none())
+            .filter(|f| {
+                let ns = self.watches.namespace(&f.namespace);
+                self.rules
+                    .decide(
+                        f,
+                        &NamespaceFacts::from_namespace(ns.as_deref(), &f.namespace),
+                    )
+                    .is_enrolled()
+            })
+            .map(|f| PodQuery {
+                uid: f.uid,
+                ips: f.ips,
+            })
+            .collect()
     }
 
     /// Namespace `name`: from the store, else from the API server (a namespace the watch has not
