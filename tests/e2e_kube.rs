@@ -239,9 +239,14 @@ fn enrollment_and_the_status_annotation_follow_the_labels() {
         "{inbound}"
     );
 
-    // a namespace labelled while its pods run: they are found in procfs and enrolled
+    // a namespace labelled while its pods run: they are found in procfs and enrolled; a pod
+    // whose IP the API does not show yet waits for it
+    node.api.clear_pod_ips("shop", "web");
     node.api
         .label_namespace("shop", json!({"istio.io/dataplane-mode": AMBIENT}));
+    MeshNode::wait_log_in(&node.mesh.log, &["shop/web", "no IP in its status yet"], t);
+    assert!(!node.captured("web"));
+    node.api.set_pod_running("shop", "web", node.pod("web").ip);
     node.wait_captured("web", true, t);
     node.api.wait_redirection("shop", "web", Some("enabled"), t);
     MeshNode::wait_log_in(

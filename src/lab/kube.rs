@@ -253,6 +253,17 @@ impl FakeApi {
         .map(drop)
     }
 
+    /// Clears pod `namespace/name`'s IPs (what the API shows before the kubelet reports them).
+    pub fn clear_pod_ips(&self, namespace: &str, name: &str) -> Result<(), LabError> {
+        let body = json!({"status": {"podIP": null, "podIPs": null}});
+        self.ok(
+            "PATCH",
+            &format!("/api/v1/namespaces/{namespace}/pods/{name}/status"),
+            Some(("application/merge-patch+json", &body)),
+        )
+        .map(drop)
+    }
+
     /// The pod's `ambient.istio.io/redirection` annotation.
     pub fn redirection(&self, namespace: &str, name: &str) -> Result<Option<String>, LabError> {
         let pod = self.ok(

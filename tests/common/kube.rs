@@ -91,6 +91,12 @@ impl FakeApi {
             .expect("pod status");
     }
 
+    pub fn clear_pod_ips(&self, namespace: &str, name: &str) {
+        self.0
+            .clear_pod_ips(namespace, name)
+            .expect("clear pod IPs");
+    }
+
     pub fn redirection(&self, namespace: &str, name: &str) -> Option<String> {
         self.0.redirection(namespace, name).expect("get pod")
     }

@@ -303,6 +303,7 @@ impl Reconciler {
             (Decision::Enroll { options, .. }, None) => {
                 if facts.ips.is_empty() {
                     // No IP yet: the pod's next update brings it (spec §3.3).
+                    tracing::info!(pod = %label, "in the mesh but no IP in its status yet; waiting for it");
                     return Ok(());
                 }
                 let query = PodQuery {
