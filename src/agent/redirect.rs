@@ -11,7 +11,7 @@
 //!   the replies back to ztunnel through the local route in table 100.
 //! - `istio-ambient-raw` (DNS capture only): ztunnel's upstream DNS flows get conntrack zone 1.
 //!
-//! Per-pod options (spec §3.1, §4.4, §4.5; [`PodOptions`], merged into the node-wide plan by
+//! Per-pod options (spec §3.1, §4.4, §4.5; [`PodOptions`](crate::agent::enroll::PodOptions), merged into the node-wide plan by
 //! [`RedirectPlan::for_pod`]): ingress mode drops the inbound redirect and its probe accept,
 //! virtual interfaces get their inbound TCP sent to `:15001` first thing in nat `istio-prerouting`,
 //! and DNS capture can be turned on or off for the one pod.
@@ -68,10 +68,10 @@ pub struct RedirectPlan {
     /// The proxy's packet mark: packets carrying it are never captured, and they set the
     /// connection mark. Must be the mark the proxy puts on its sockets.
     pub proxy_mark: PacketMark,
-    /// Ingress mode (per pod, [`PodOptions::bypass_inbound_capture`]): no inbound
+    /// Ingress mode (per pod, [`PodOptions::bypass_inbound_capture`](crate::agent::enroll::PodOptions::bypass_inbound_capture)): no inbound
     /// redirect to `:15006` and no prerouting probe accept (spec §4.5).
     pub bypass_inbound_capture: bool,
-    /// Virtual interfaces (per pod, [`PodOptions::reroute_virtual_interfaces`]): their inbound TCP
+    /// Virtual interfaces (per pod, [`PodOptions::reroute_virtual_interfaces`](crate::agent::enroll::PodOptions::reroute_virtual_interfaces)): their inbound TCP
     /// is redirected to the outbound port `:15001`, ahead of every other inbound rule (spec §4.5).
     pub virtual_interfaces: Vec<InterfaceName>,
 }
