@@ -117,6 +117,10 @@ fn bench_reports_every_figure() {
     assert!(v["added_rtt_p99_us"].as_f64().is_some());
     assert_eq!(v["cni_add_samples"].as_u64(), Some(2));
     assert!(v["ztnode_cni_add_p50_ms"].as_f64().is_some_and(|x| x > 0.0));
+    // Kubernetes mode (the fake API server of ../shared/tools is beside every checkout)
+    for key in ["kube_enroll_running_pods_ms", "kube_cni_add_p50_ms"] {
+        assert!(v[key].as_f64().is_some_and(|x| x > 0.0), "{key}: {v}");
+    }
 }
 
 #[test]

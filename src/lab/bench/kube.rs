@@ -25,6 +25,15 @@ const ADD_SAMPLES: usize = 20;
 /// How long the enrollment may take before the bench gives up.
 const ENROLL_TIMEOUT: Duration = Duration::from_secs(300);
 
+/// Removes its directory when dropped.
+struct RemoveOnDrop(PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// The fake API server's script, when it is on this machine.
 fn script() -> Option<PathBuf> {
     std::env::var_os("ZTNODE_FAKE_APISERVER")
@@ -45,6 +54,8 @@ pub(super) fn measure(opts: &BenchOptions, figures: &mut Figures) -> anyhow::Res
     let dir = std::env::temp_dir().join(format!("ztnode-bench-{prefix}"));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir)?;
+    // Declared first, so dropped last: after the node, the API server and the lab.
+    let _dir = RemoveOnDrop(dir.clone());
     let exe = std::env::current_exe()?;
     let lab = Lab::new(LabOptions {
         prefix: prefix.clone(),
