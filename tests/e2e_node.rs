@@ -11,6 +11,30 @@ use common::node::{MeshNode, answer_once, echo_once};
 use ztnode::lab::Lab;
 use ztnode::netns::Netns;
 
+/// The TCP segments between client and server in the capture at `pcap` (stopped), after checking
+/// there are some and all are on the HBONE port.
+fn hbone_segments_between(
+    node: &MeshNode,
+    pcap: &std::path::Path,
+) -> Vec<ztnode::lab::pcap::TcpSegment> {
+    let data = std::fs::read(pcap).expect("pcap");
+    let segs = ztnode::lab::pcap::tcp_segments(&data).expect("parse pcap");
+    let between: Vec<_> = segs
+        .into_iter()
+        .filter(|s| {
+            [s.src, s.dst].contains(&node.client.ip) && [s.src, s.dst].contains(&node.server.ip)
+        })
+        .collect();
+    assert!(!between.is_empty(), "capture saw nothing between the pods");
+    assert!(
+        between
+            .iter()
+            .all(|s| s.src_port == 15008 || s.dst_port == 15008),
+        "non-HBONE packets between pods"
+    );
+    between
+}
+
 #[test]
 fn pods_talk_over_hbone_with_identities_and_real_source_ip() {
     if !common::privileged("pods_talk_over_hbone_with_identities_and_real_source_ip") {
@@ -77,21 +101,7 @@ fn pods_talk_over_hbone_with_identities_and_real_source_ip() {
 
     std::thread::sleep(Duration::from_millis(500));
     drop(dump);
-    let data = std::fs::read(&pcap).expect("pcap");
-    let segs = ztnode::lab::pcap::tcp_segments(&data).expect("parse pcap");
-    let between: Vec<_> = segs
-        .iter()
-        .filter(|s| {
-            [s.src, s.dst].contains(&node.client.ip) && [s.src, s.dst].contains(&node.server.ip)
-        })
-        .collect();
-    assert!(!between.is_empty(), "capture saw nothing between the pods");
-    assert!(
-        between
-            .iter()
-            .all(|s| s.src_port == 15008 || s.dst_port == 15008),
-        "non-HBONE packets between pods"
-    );
+    let between = hbone_segments_between(&node, &pcap);
     assert!(
         !between
             .iter()
@@ -187,21 +197,7 @@ fn a_non_default_packet_mark_reaches_the_rules_and_the_sockets() {
 
     std::thread::sleep(Duration::from_millis(500));
     drop(dump);
-    let data = std::fs::read(&pcap).expect("pcap");
-    let segs = ztnode::lab::pcap::tcp_segments(&data).expect("parse pcap");
-    let between: Vec<_> = segs
-        .iter()
-        .filter(|s| {
-            [s.src, s.dst].contains(&node.client.ip) && [s.src, s.dst].contains(&node.server.ip)
-        })
-        .collect();
-    assert!(!between.is_empty(), "capture saw nothing between the pods");
-    assert!(
-        between
-            .iter()
-            .all(|s| s.src_port == 15008 || s.dst_port == 15008),
-        "non-HBONE packets between pods"
-    );
+    hbone_segments_between(&node, &pcap);
 }
 
 #[test]

@@ -25,6 +25,17 @@ const ADD_SAMPLES: usize = 20;
 /// How long the enrollment may take before the bench gives up.
 const ENROLL_TIMEOUT: Duration = Duration::from_secs(300);
 
+/// Creates pod `bench/<name>` in the API server (on `node`), then adds it through the CNI chain.
+fn add_api_pod(
+    lab: &Lab,
+    api: &FakeApi,
+    node: &str,
+    name: &str,
+) -> Result<crate::lab::Pod, crate::lab::LabError> {
+    api.create_pod("bench", name, &lab.pod_uid(name), node, "bench", json!({}))?;
+    lab.add_pod(name, "bench")
+}
+
 /// Removes its directory when dropped.
 struct RemoveOnDrop(PathBuf);
 
@@ -72,15 +83,7 @@ pub(super) fn measure(opts: &BenchOptions, figures: &mut Figures) -> anyhow::Res
     let pods = opts.pods.max(1);
     for i in 0..pods {
         let name = format!("r{i:03}");
-        api.create_pod(
-            "bench",
-            &name,
-            &lab.pod_uid(&name),
-            &node_name,
-            "bench",
-            json!({}),
-        )?;
-        let pod = lab.add_pod(&name, "bench")?;
+        let pod = add_api_pod(&lab, &api, &node_name, &name)?;
         api.set_pod_running("bench", &name, pod.ip)?;
         proc.pod(1000 + i as u32, &pod.uid, &pod.netns_name)?;
     }
@@ -123,15 +126,7 @@ pub(super) fn measure(opts: &BenchOptions, figures: &mut Figures) -> anyhow::Res
     let mut add_ms = Vec::new();
     for i in 0..ADD_SAMPLES {
         let name = format!("a{i:03}");
-        api.create_pod(
-            "bench",
-            &name,
-            &lab.pod_uid(&name),
-            &node_name,
-            "bench",
-            json!({}),
-        )?;
-        let pod = lab.add_pod(&name, "bench")?;
+        let pod = add_api_pod(&lab, &api, &node_name, &name)?;
         add_ms.extend(
             pod.add_timings
                 .iter()
