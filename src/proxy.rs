@@ -15,6 +15,7 @@
 pub mod accesslog;
 pub mod authz;
 pub mod config;
+pub mod control;
 pub mod copy;
 pub mod hbone;
 pub mod identity;
