@@ -5,6 +5,7 @@
 #   kubectl (tests/deploy.rs renders deploy/ with `kubectl kustomize`): the `kubectl` package this
 #   machine kind ships with, not Debian's kubernetes-client (1.20, whose kustomize predates the
 #   syntax deploy/ uses).
+#   Python: grpcio, grpcio-tools, protobuf, cryptography, pyyaml (the fake istiod of the xDS/CA tests).
 #   Rust: the x86_64-unknown-linux-musl target.
 set -euo pipefail
 pkgs=(iproute2 nftables iptables tcpdump iperf3 file containernetworking-plugins musl-tools ca-certificates)
@@ -23,6 +24,12 @@ if ! command -v kubectl >/dev/null 2>&1; then
   # Not fatal here: the other tests need no kubectl, and tests/deploy.rs fails under CI without it.
   { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq kubectl >/dev/null; } \
     || echo "setup: could not install the kubectl package; tests/deploy.rs will fail under CI" >&2
+fi
+# The fake istiod (../shared/tools/fake-istiod, started by the xDS/CA tests) is Python + grpcio.
+if ! python3 -c 'import grpc, grpc_tools, google.protobuf, cryptography, yaml' 2>/dev/null; then
+  echo "setup: installing the fake istiod's Python packages"
+  python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore \
+    grpcio grpcio-tools protobuf cryptography pyyaml
 fi
 if command -v rustup >/dev/null 2>&1; then
   rustup target list --installed | grep -q x86_64-unknown-linux-musl || rustup target add x86_64-unknown-linux-musl
