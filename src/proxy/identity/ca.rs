@@ -129,8 +129,10 @@ impl Ca {
 
     /// Issues a leaf for `id` valid for `lifetime` (whole seconds).
     ///
-    /// Shape (spec §4, Istio's CSR / FAKE CA leaves): fresh ECDSA P-256 key, subject
-    /// `O=<trust domain>`, the only SAN is the URI `spiffe://<td>/ns/<ns>/sa/<sa>`, KU
+    /// Shape (spec §4, what Istio's CA signs for ztunnel's CSRs): fresh ECDSA P-256 key, empty
+    /// subject (so the leaf's subject never equals its issuer's, which would make it look
+    /// self-signed), the only SAN is the URI `spiffe://<td>/ns/<ns>/sa/<sa>` (critical, as
+    /// RFC 5280 requires with an empty subject), KU
     /// digitalSignature + keyEncipherment, EKU serverAuth + clientAuth, random 159-bit serial,
     /// `not_before` = now - min(1 min, lifetime/4), `not_after` = `not_before` + lifetime.
     ///
@@ -158,7 +160,7 @@ impl Ca {
             .map_err(rcgen_err("encode the URI SAN"))?;
 
         let mut params = CertificateParams::default();
-        params.distinguished_name = organization(&id.trust_domain);
+        params.distinguished_name = DistinguishedName::new();
         params.subject_alt_names = vec![SanType::URI(uri)];
         params.is_ca = IsCa::NoCa;
         params.key_usages = vec![

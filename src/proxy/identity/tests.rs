@@ -1,4 +1,5 @@
 use std::os::unix::fs::PermissionsExt as _;
+use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use x509_parser::extensions::GeneralName;
@@ -98,9 +99,8 @@ fn issued_leaf_has_istio_shape() {
     let ku = x.key_usage().unwrap().expect("KU present").value;
     assert!(ku.digital_signature());
     assert!(!x.is_ca());
-    let org: Vec<_> = x.subject().iter_organization().collect();
-    assert_eq!(org.len(), 1);
-    assert_eq!(org[0].as_str().unwrap(), "example.org");
+    assert_eq!(x.subject().iter().count(), 0, "empty subject");
+    assert!(san.critical, "URI SAN critical with an empty subject");
     assert_eq!(
         x.public_key().algorithm.algorithm,
         x509_parser::oid_registry::OID_KEY_TYPE_EC_PUBLIC_KEY
@@ -314,4 +314,53 @@ fn cert_manager_lists_identities_and_roots() {
     assert_eq!(parsed, root);
     mgr.forget(&id("a", "x"));
     assert_eq!(mgr.certificates().len(), 1);
+}
+
+/// `openssl verify` accepts the built-in CA's leaves (an empty subject, so OpenSSL does not take
+/// them for self-signed). Needs the `openssl` CLI; under `CI` its absence is a failure.
+#[test]
+fn openssl_verifies_a_leaf_against_the_root() {
+    let Ok(out) = Command::new("openssl").arg("version").output() else {
+        if std::env::var_os("CI").is_some() {
+            panic!("the openssl CLI is missing and CI is set");
+        }
+        eprintln!("SKIP openssl_verifies_a_leaf_against_the_root: no openssl CLI");
+        return;
+    };
+    assert!(out.status.success());
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::generate().unwrap();
+    let leaf = ca
+        .issue(&id("default", "verify"), DEFAULT_CERT_LIFETIME)
+        .unwrap();
+    let root = dir.path().join("root.pem");
+    let leaf_pem = dir.path().join("leaf.pem");
+    std::fs::write(&root, ca.root_pem()).unwrap();
+    std::fs::write(&leaf_pem, leaf.chain_pem()).unwrap();
+    let out = Command::new("openssl")
+        .args(["verify", "-CAfile"])
+        .arg(&root)
+        .arg(&leaf_pem)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "openssl verify failed: {text}");
+    assert!(text.contains(": OK"), "{text}");
+    // and a root that did not sign it is refused
+    let other = dir.path().join("other.pem");
+    std::fs::write(&other, Ca::generate().unwrap().root_pem()).unwrap();
+    let out = Command::new("openssl")
+        .args(["verify", "-CAfile"])
+        .arg(&other)
+        .arg(&leaf_pem)
+        .output()
+        .unwrap();
+    assert!(
+        !out.status.success(),
+        "a foreign root must not verify the leaf"
+    );
 }
