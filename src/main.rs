@@ -422,8 +422,11 @@ fn local_config(
 
 fn proxy_config(p: &ProxyOpts, m: &MeshOpts, run_dir: &std::path::Path) -> ProxyConfig {
     ProxyConfig {
-        ca_dir: p.ca_dir.clone().unwrap_or_else(|| run_dir.join("ca")),
+        cert_source: ztnode::proxy::CertSource::BuiltIn {
+            ca_dir: p.ca_dir.clone().unwrap_or_else(|| run_dir.join("ca")),
+        },
         cert_lifetime: Duration::from_secs(p.cert_lifetime_secs),
+        trust_roots: Vec::new(),
         packet_mark: m.packet_mark,
         admin_addr: p.admin_addr,
         readiness_addr: p.readiness_addr,

@@ -9,8 +9,8 @@
 //! The modules form a one-way stack: the manager sits on top; the connection code ([`inbound`],
 //! [`outbound`], [`task`]) sees only the per-pod context, never the manager.
 //!
-//! [`start`] is the role's front door: built-in CA, certificates and the proxy manager, fed by the
-//! returned in-process ZDS link.
+//! [`start`] is the role's front door: the certificate source (the built-in CA, or Istio's CA),
+//! the trust bundle, and the proxy manager, fed by the returned in-process ZDS link.
 
 pub mod accesslog;
 pub mod authz;
@@ -36,10 +36,13 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+pub use identity::CertSource;
+
 use crate::mesh::{self, PacketMark};
 use crate::ready::Readiness;
 use crate::zds::{self, InProcessSender};
-use identity::{Ca, CertManager, IdentityError};
+use control::RootSource;
+use identity::{CertManager, IdentityError};
 use manager::ProxyManager;
 use metrics::Metrics;
 use pod::ProxyContext;
@@ -53,10 +56,14 @@ pub const PROXY_MANAGER_TASK: &str = "workload proxy manager";
 /// Settings of the proxy.
 #[derive(Debug, Clone)]
 pub struct ProxyConfig {
-    /// CA dir (`root-cert.pem`, `ca-key.pem`; generated when absent).
-    pub ca_dir: PathBuf,
-    /// Workload certificate lifetime.
+    /// Where workload certificates come from: the built-in CA (default) or Istio's CA.
+    pub cert_source: CertSource,
+    /// Workload certificate lifetime (`SECRET_TTL`): the built-in CA's leaves, and the
+    /// `validity_duration` asked of Istio's CA.
     pub cert_lifetime: Duration,
+    /// More roots to trust for peers (e.g. `XDS_ROOT_CA`), besides the built-in CA's root file
+    /// or `CA_ROOT_CA` and the CA's answers; files are re-read every second.
+    pub trust_roots: Vec<RootSource>,
     /// SO_MARK of every socket the proxy opens in a pod (the in-pod rules must exclude the same).
     pub packet_mark: PacketMark,
     /// Admin listener (`/config_dump`), default [`mesh::DEFAULT_ADMIN_ADDR`].
@@ -71,12 +78,13 @@ pub struct ProxyConfig {
 }
 
 impl ProxyConfig {
-    /// Istio's defaults with the CA in `ca_dir`: 24 h certificates, mark `0x539`, the node
-    /// endpoints on 15000/15021/15020.
+    /// Istio's defaults with the built-in CA in `ca_dir`: 24 h certificates, mark `0x539`, the
+    /// node endpoints on 15000/15021/15020.
     pub fn new(ca_dir: PathBuf) -> ProxyConfig {
         ProxyConfig {
-            ca_dir,
+            cert_source: CertSource::BuiltIn { ca_dir },
             cert_lifetime: identity::DEFAULT_CERT_LIFETIME,
+            trust_roots: Vec::new(),
             packet_mark: PacketMark::DEFAULT,
             admin_addr: mesh::DEFAULT_ADMIN_ADDR,
             readiness_addr: mesh::DEFAULT_READINESS_ADDR,
@@ -98,6 +106,13 @@ pub enum ProxyError {
         #[source]
         source: IdentityError,
     },
+    /// The certificate manager could not be set up.
+    #[error("certificates: {source}")]
+    Certificates {
+        /// What failed.
+        #[source]
+        source: IdentityError,
+    },
 }
 
 /// A started proxy (see [`start`]).
@@ -108,20 +123,35 @@ pub struct Proxy {
     pub link: InProcessSender,
 }
 
-/// Starts the proxy: built-in CA from `cfg.ca_dir`, certificates, and the proxy manager serving
-/// the returned link. Registers [`PROXY_MANAGER_TASK`] in `ready`. Must run inside a tokio
-/// runtime (it spawns the manager).
+/// Starts the proxy: the certificate manager for `cfg.cert_source` (its root files watched), and
+/// the proxy manager serving the returned link. Registers [`PROXY_MANAGER_TASK`] in `ready`; with
+/// Istio's CA, each Add waits for its pod's certificate, so readiness does too. Must run inside a
+/// tokio runtime (it spawns the manager and the root-file watcher).
 pub fn start(
     cfg: &ProxyConfig,
     state: StateHandle,
     ready: &Readiness,
 ) -> Result<Proxy, ProxyError> {
-    let ca = Ca::load_or_generate(Some(&cfg.ca_dir)).map_err(|source| ProxyError::Ca {
-        dir: cfg.ca_dir.clone(),
-        source,
-    })?;
-    let certs = CertManager::new(ca, cfg.cert_lifetime);
-    tracing::info!(dir = %cfg.ca_dir.display(), "built-in CA ready (root-cert.pem)");
+    let certs = CertManager::from_source(&cfg.cert_source, cfg.cert_lifetime, &cfg.trust_roots)
+        .map_err(|source| match &cfg.cert_source {
+            CertSource::BuiltIn { ca_dir } => ProxyError::Ca {
+                dir: ca_dir.clone(),
+                source,
+            },
+            CertSource::Istio { .. } => ProxyError::Certificates { source },
+        })?;
+    certs.bundle().watch(identity::bundle::RELOAD_INTERVAL);
+    match &cfg.cert_source {
+        CertSource::BuiltIn { ca_dir } => {
+            tracing::info!(dir = %ca_dir.display(), "built-in CA ready (root-cert.pem)");
+        }
+        CertSource::Istio { endpoint, .. } => tracing::info!(
+            address = %endpoint.address,
+            ttl = ?cfg.cert_lifetime,
+            roots = certs.bundle().certificates().len(),
+            "certificates from Istio's CA"
+        ),
+    }
     let ctx = Arc::new(ProxyContext {
         state,
         certs,

@@ -4,25 +4,39 @@
 //!   strictly as ztunnel does (`src/identity/manager.rs`).
 //! - [`Ca`] (in `identity/ca.rs`): the built-in CA used in standalone mode; it issues
 //!   Istio-shaped leaves (ECDSA P-256, the SPIFFE id as the only SAN).
-//! - [`CertManager`]: per-identity certificate cache, re-issuing once a certificate passes
-//!   half its lifetime (ztunnel `src/tls/certificate.rs` `refresh_at`).
+//! - [`CaClient`] (in `identity/caclient.rs`): the client of Istio's CA (CSR over gRPC).
+//! - [`CertManager`] (in `identity/manager.rs`): per-identity certificate cache over either
+//!   issuer, refreshing once a certificate passes half its lifetime (ztunnel
+//!   `src/tls/certificate.rs` `refresh_at`), with references per identity and retries.
+//! - [`TrustBundle`] (in `identity/bundle.rs`): the roots peers are verified against, from the
+//!   built-in CA, root files (hot-reloaded) and CA responses.
 
-use std::collections::HashMap;
 use std::fmt;
 use std::path::PathBuf;
 use std::str::FromStr;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use rustls::RootCertStore;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 
+pub mod backoff;
+pub mod bundle;
 mod ca;
+pub mod caclient;
+mod manager;
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod manager_tests;
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests;
 
+pub use bundle::TrustBundle;
 pub use ca::{CA_KEY_FILE, Ca, ROOT_CERT_FILE};
+pub use caclient::{CaClient, CaClientError, Issued, RemoteCa};
+pub use manager::{
+    CertManager, CertOptions, CertSource, Clock, ENSURE_TIMEOUT, MAX_CONCURRENT_CSRS,
+};
 
 /// Trust domain used when none is configured (ztunnel: empty XDS `trust_domain`).
 pub const DEFAULT_TRUST_DOMAIN: &str = "cluster.local";
@@ -167,6 +181,47 @@ pub enum IdentityError {
         #[source]
         source: rustls::Error,
     },
+    /// No certificate from the remote CA is cached for the identity.
+    #[error(
+        "no certificate for {identity} yet (not prefetched, or the CA has not answered){}",
+        last_error.as_ref().map(|e| format!("; last attempt: {e}")).unwrap_or_default()
+    )]
+    NotFetched {
+        /// The identity.
+        identity: Identity,
+        /// Why the last fetch failed, if one did.
+        last_error: Option<Arc<caclient::CaClientError>>,
+    },
+    /// The cached certificate expired and no refresh succeeded.
+    #[error("the certificate for {identity} expired at {not_after:?} and could not be renewed")]
+    Expired {
+        /// The identity.
+        identity: Identity,
+        /// End of its validity.
+        not_after: SystemTime,
+    },
+    /// The CA refused or botched the request (not retried by [`CertManager::ensure`]).
+    #[error("fetching the certificate for {identity} failed: {source}")]
+    Fetch {
+        /// The identity.
+        identity: Identity,
+        /// What the CA client reported.
+        #[source]
+        source: Arc<caclient::CaClientError>,
+    },
+    /// The CA stayed unreachable while [`CertManager::ensure`] waited.
+    #[error(
+        "no certificate for {identity} after {waited:?}{}",
+        last_error.as_ref().map(|e| format!(": {e}")).unwrap_or_default()
+    )]
+    FetchTimeout {
+        /// The identity.
+        identity: Identity,
+        /// How long it waited.
+        waited: Duration,
+        /// The last (transient) failure, if any.
+        last_error: Option<Arc<caclient::CaClientError>>,
+    },
 }
 
 /// A workload's certificate and key, as issued for one [`Identity`].
@@ -181,22 +236,6 @@ pub struct WorkloadCert {
     pub not_before: SystemTime,
     /// End of validity (whole seconds, as encoded in the certificate).
     pub not_after: SystemTime,
-}
-
-/// Source of "now" for [`CertManager`]'s refresh decision; tests inject a fake clock.
-pub type Clock = Arc<dyn Fn() -> SystemTime + Send + Sync>;
-
-/// Per-identity cache of workload certificates issued by a [`Ca`]; share it as `Arc<CertManager>`.
-///
-/// [`CertManager::get`] returns the cached certificate until its [`WorkloadCert::refresh_at`]
-/// time, then issues a new one. If re-issuing fails, the old certificate is kept until it
-/// expires (as ztunnel does).
-pub struct CertManager {
-    ca: Ca,
-    lifetime: Duration,
-    roots: Arc<RootCertStore>,
-    clock: Clock,
-    cache: Mutex<HashMap<Identity, Arc<WorkloadCert>>>,
 }
 
 // === impl Identity ===
@@ -336,96 +375,4 @@ impl fmt::Debug for WorkloadCert {
 pub(crate) fn der_to_pem(der: &CertificateDer<'_>) -> String {
     let config = pem::EncodeConfig::new().set_line_ending(pem::LineEnding::LF);
     pem::encode_config(&pem::Pem::new("CERTIFICATE", der.as_ref()), config)
-}
-
-// === impl CertManager ===
-
-impl CertManager {
-    /// A cache issuing from `ca` with the given certificate lifetime (use
-    /// [`DEFAULT_CERT_LIFETIME`] for Istio's 24 h). Uses the system clock.
-    pub fn new(ca: Ca, lifetime: Duration) -> Arc<CertManager> {
-        Self::with_clock(ca, lifetime, Arc::new(SystemTime::now))
-    }
-
-    /// Like [`CertManager::new`] but decides refreshes with `clock` (for tests). Certificates
-    /// themselves always carry real (system clock) validity times.
-    pub fn with_clock(ca: Ca, lifetime: Duration, clock: Clock) -> Arc<CertManager> {
-        let roots = Arc::new(ca.root_store());
-        Arc::new(CertManager {
-            ca,
-            lifetime,
-            roots,
-            clock,
-            cache: Mutex::new(HashMap::new()),
-        })
-    }
-
-    /// The certificate for `id`: the cached one until its refresh time, else a new one.
-    ///
-    /// # Errors
-    /// Issuing errors from [`Ca::issue`], only when no still-valid certificate is cached.
-    pub fn get(&self, id: &Identity) -> Result<Arc<WorkloadCert>, IdentityError> {
-        let now = (self.clock)();
-        let mut cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
-        let cached = cache.get(id).cloned();
-        if let Some(cert) = &cached
-            && now < cert.refresh_at()
-        {
-            return Ok(cert.clone());
-        }
-        match self.ca.issue(id, self.lifetime) {
-            Ok(cert) => {
-                let cert = Arc::new(cert);
-                cache.insert(id.clone(), cert.clone());
-                tracing::debug!(identity = %id, serial = ?cert.serial_hex(), "issued workload certificate");
-                Ok(cert)
-            }
-            Err(e) => match cached {
-                Some(old) if now < old.not_after => {
-                    tracing::warn!(identity = %id, error = %e, "certificate refresh failed; keeping the current one");
-                    Ok(old)
-                }
-                _ => Err(e),
-            },
-        }
-    }
-
-    /// Drops the cached certificate of `id` (e.g. when its last workload left the node).
-    pub fn forget(&self, id: &Identity) {
-        self.cache
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(id);
-    }
-
-    /// The trust anchors (our CA's root) for verifying peers.
-    pub fn roots(&self) -> Arc<RootCertStore> {
-        self.roots.clone()
-    }
-
-    /// All cached certificates, sorted by identity (for `/config_dump`).
-    pub fn certificates(&self) -> Vec<Arc<WorkloadCert>> {
-        let cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
-        let mut certs: Vec<_> = cache.values().cloned().collect();
-        certs.sort_by(|a, b| a.identity.cmp(&b.identity));
-        certs
-    }
-
-    /// The CA root certificate as PEM.
-    pub fn root_pem(&self) -> String {
-        self.ca.root_pem()
-    }
-
-    /// The lifetime of newly issued certificates.
-    pub fn lifetime(&self) -> Duration {
-        self.lifetime
-    }
-}
-
-impl fmt::Debug for CertManager {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("CertManager")
-            .field("lifetime", &self.lifetime)
-            .finish_non_exhaustive()
-    }
 }

@@ -2,10 +2,13 @@
 //! table of running pods, and each pod's accept loop.
 //!
 //! For each added pod: find its workload in the state by namespace/name (waiting up to 5 s, as
-//! ztunnel), open a socket thread in the pod netns, bind 15001 (outbound), 15006 (inbound
+//! ztunnel), make sure its identity has a certificate ([`CertManager::ensure`]: with a remote CA
+//! the Add, and so readiness, waits for it; a refusal fails the Add), open a socket thread in the
+//! pod netns, bind 15001 (outbound), 15006 (inbound
 //! plaintext) and 15008 (HBONE) there, and serve them until the pod is deleted. An Add for a uid that
 //! already runs with the same netns is acked without change; with another netns (sandbox recreated)
-//! the old set is stopped first. A Del stops the set and every connection it carries immediately.
+//! the old set is stopped first. A Del stops the set and every connection it carries immediately, and
+//! releases the pod's reference on its certificate (the last pod of an identity drops it).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::IpAddr;
@@ -18,6 +21,7 @@ use tokio::task::{AbortHandle, JoinSet};
 
 use crate::mesh::{HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT};
 use crate::netns::{Netns, NetnsId};
+use crate::proxy::identity::{CertManager, Identity, IdentityError};
 use crate::proxy::pod::{PodProxy, ProxyContext};
 use crate::proxy::pool::{POOL_SWEEP_INTERVAL, Pool};
 use crate::proxy::socket::{PodSockets, SocketError};
@@ -40,6 +44,9 @@ pub enum PodProxyError {
     /// TLS setup failed.
     #[error(transparent)]
     Tls(#[from] tls::TlsError),
+    /// The pod's certificate could not be obtained (e.g. the CA refused the token).
+    #[error(transparent)]
+    Certificate(#[from] IdentityError),
     /// Reading the pod's addresses failed.
     #[error("reading the addresses of netns {0} failed")]
     Handoff(NetnsId),
@@ -81,8 +88,16 @@ fn ztunnel_workload_info<S: serde::Serializer>(
 
 struct Running {
     netns: NetnsId,
+    identity: Identity,
     task: AbortHandle,
     status: PodStatus,
+}
+
+/// The reference on an identity's certificate that `add` takes; released when dropped unless
+/// [`CertHold::keep`] hands it to the running pod (the undo of a failed start).
+struct CertHold<'a> {
+    certs: &'a CertManager,
+    identity: Option<Identity>,
 }
 
 /// Starts and stops pod proxies; see the module docs.
@@ -177,6 +192,7 @@ impl ProxyManager {
         if let Ok(mut r) = self.running.lock() {
             for (_, p) in r.drain() {
                 p.task.abort();
+                self.ctx.certs.release(&p.identity);
             }
         }
     }
@@ -185,6 +201,7 @@ impl ProxyManager {
         let removed = self.running.lock().ok().and_then(|mut r| r.remove(uid));
         if let Some(p) = removed {
             p.task.abort();
+            self.ctx.certs.release(&p.identity);
             tracing::info!(%uid, "pod proxy stopped");
         }
     }
@@ -214,6 +231,7 @@ impl ProxyManager {
             None => self.wait_for_workload(&info).await?,
         };
         let identity = workload.identity();
+        let hold = CertHold::take(&self.ctx.certs, &identity).await?;
         let sockets = PodSockets::new(&netns, self.ctx.mark)?;
         let outbound_l = sockets.listen(OUTBOUND_PORT).await?;
         let inbound_l = sockets.listen(INBOUND_PLAINTEXT_PORT).await?;
@@ -249,10 +267,12 @@ impl ProxyManager {
                 uid,
                 Running {
                     netns: netns.id(),
+                    identity,
                     task,
                     status,
                 },
             );
+            hold.keep();
         }
         Ok(())
     }
@@ -302,6 +322,35 @@ impl ProxyManager {
                 ));
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+// === impl CertHold ===
+
+impl<'a> CertHold<'a> {
+    /// [`CertManager::ensure`] for `identity`.
+    async fn take(
+        certs: &'a CertManager,
+        identity: &Identity,
+    ) -> Result<CertHold<'a>, IdentityError> {
+        certs.ensure(identity).await?;
+        Ok(CertHold {
+            certs,
+            identity: Some(identity.clone()),
+        })
+    }
+
+    /// The running pod holds the reference from now on (released by `del`).
+    fn keep(mut self) {
+        self.identity = None;
+    }
+}
+
+impl Drop for CertHold<'_> {
+    fn drop(&mut self) {
+        if let Some(id) = self.identity.take() {
+            self.certs.release(&id);
         }
     }
 }

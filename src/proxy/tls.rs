@@ -156,27 +156,23 @@ pub fn client_config(
 ///
 /// TLS 1.3, ALPN `h2`, no session tickets or session cache. The server certificate of
 /// `local` is fetched from `certs` on every handshake. Clients must present a certificate
-/// chained to our roots whose SPIFFE URI SANs include one in `local`'s trust domain.
+/// chained (through the intermediates they send) to a root of the current trust bundle
+/// ([`CertManager::bundle`]), whose SPIFFE URI SANs include one in `local`'s trust domain.
 ///
 /// # Errors
-/// [`TlsError::Certificate`] if `local` gets no certificate now, [`TlsError::ClientVerifier`],
-/// [`TlsError::Build`].
+/// [`TlsError::Certificate`] if `local` gets no certificate now, [`TlsError::ClientVerifier`]
+/// (no usable root now), [`TlsError::Build`].
 pub fn server_config(
     certs: Arc<CertManager>,
     local: Identity,
 ) -> Result<Arc<ServerConfig>, TlsError> {
     check_certificate(&certs, &local)?;
     let provider = provider();
-    let webpki = rustls::server::WebPkiClientVerifier::builder_with_provider(
-        certs.roots(),
-        provider.clone(),
-    )
-    .build()
-    .map_err(|source| TlsError::ClientVerifier { source })?;
     let verifier = Arc::new(verify::TrustDomainVerifier::new(
-        webpki,
+        certs.clone(),
+        provider.clone(),
         local.trust_domain.to_string(),
-    ));
+    )?);
     let resolver = Arc::new(verify::CertResolver::new(certs, local, provider.clone()));
     let mut cfg = ServerConfig::builder_with_provider(provider)
         .with_protocol_versions(&[&rustls::version::TLS13])

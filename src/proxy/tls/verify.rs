@@ -33,10 +33,14 @@ pub(super) struct PeerIdentityVerifier {
     algs: WebPkiSupportedAlgorithms,
 }
 
-/// Server side: webpki client verification (mandatory, EKU clientAuth), then some SPIFFE URI
-/// SAN of the client must be in our trust domain.
+/// Server side: webpki client verification (mandatory, EKU clientAuth) against the current
+/// trust bundle, then some SPIFFE URI SAN of the client must be in our trust domain. The webpki
+/// verifier is rebuilt when the bundle's generation changes, so new roots apply to the next
+/// handshake.
 pub(super) struct TrustDomainVerifier {
-    inner: Arc<dyn ClientCertVerifier>,
+    certs: Arc<CertManager>,
+    provider: Arc<CryptoProvider>,
+    current: Mutex<(u64, Arc<dyn ClientCertVerifier>)>,
     trust_domain: String,
 }
 
@@ -191,15 +195,45 @@ impl fmt::Debug for PeerIdentityVerifier {
 // === impl TrustDomainVerifier ===
 
 impl TrustDomainVerifier {
+    /// # Errors
+    /// [`TlsError::ClientVerifier`] when the bundle has no usable root now.
     pub(super) fn new(
-        inner: Arc<dyn ClientCertVerifier>,
+        certs: Arc<CertManager>,
+        provider: Arc<CryptoProvider>,
         trust_domain: String,
-    ) -> TrustDomainVerifier {
-        TrustDomainVerifier {
-            inner,
+    ) -> Result<TrustDomainVerifier, TlsError> {
+        let (generation, roots) = certs.bundle().snapshot();
+        let inner = webpki_verifier(roots, &provider)
+            .map_err(|source| TlsError::ClientVerifier { source })?;
+        Ok(TrustDomainVerifier {
+            certs,
+            provider,
+            current: Mutex::new((generation, inner)),
             trust_domain,
-        }
+        })
     }
+
+    /// The webpki verifier for the current roots.
+    fn inner(&self) -> Result<Arc<dyn ClientCertVerifier>, rustls::Error> {
+        let (generation, roots) = self.certs.bundle().snapshot();
+        let mut current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
+        if current.0 != generation {
+            let inner = webpki_verifier(roots, &self.provider).map_err(|e| {
+                rustls::Error::General(format!(
+                    "no usable trust roots for client certificates: {e}"
+                ))
+            })?;
+            *current = (generation, inner);
+        }
+        Ok(current.1.clone())
+    }
+}
+
+fn webpki_verifier(
+    roots: Arc<rustls::RootCertStore>,
+    provider: &Arc<CryptoProvider>,
+) -> Result<Arc<dyn ClientCertVerifier>, rustls::server::VerifierBuilderError> {
+    rustls::server::WebPkiClientVerifier::builder_with_provider(roots, provider.clone()).build()
 }
 
 impl ClientCertVerifier for TrustDomainVerifier {
@@ -212,7 +246,8 @@ impl ClientCertVerifier for TrustDomainVerifier {
     }
 
     fn root_hint_subjects(&self) -> &[DistinguishedName] {
-        self.inner.root_hint_subjects()
+        // the roots change at run time; peers present their one workload chain anyway
+        &[]
     }
 
     fn verify_client_cert(
@@ -221,7 +256,7 @@ impl ClientCertVerifier for TrustDomainVerifier {
         intermediates: &[CertificateDer<'_>],
         now: UnixTime,
     ) -> Result<ClientCertVerified, rustls::Error> {
-        self.inner
+        self.inner()?
             .verify_client_cert(end_entity, intermediates, now)?;
         let presented = uri_sans(end_entity);
         let ok = spiffe_ids(&presented).any(|id| *id.trust_domain == *self.trust_domain);
@@ -241,7 +276,12 @@ impl ClientCertVerifier for TrustDomainVerifier {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.inner.verify_tls12_signature(message, cert, dss)
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.provider.signature_verification_algorithms,
+        )
     }
 
     fn verify_tls13_signature(
@@ -250,11 +290,18 @@ impl ClientCertVerifier for TrustDomainVerifier {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.inner.verify_tls13_signature(message, cert, dss)
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.provider.signature_verification_algorithms,
+        )
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.inner.supported_verify_schemes()
+        self.provider
+            .signature_verification_algorithms
+            .supported_schemes()
     }
 }
 
