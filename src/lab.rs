@@ -10,6 +10,8 @@
 pub mod bench;
 pub mod cnichain;
 pub mod demo;
+mod http;
+pub mod istiod;
 pub mod kube;
 mod mesh_lab;
 mod node;

@@ -59,6 +59,9 @@ pub enum LabError {
     /// The fake API server did not start, or answered a request with an error.
     #[error("fake API server: {0}")]
     FakeApi(String),
+    /// The fake istiod did not start, or answered a control call with an error.
+    #[error("fake istiod: {0}")]
+    FakeIstiod(String),
 }
 
 /// Options of a lab.
