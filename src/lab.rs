@@ -18,4 +18,4 @@ mod node;
 pub mod pcap;
 
 pub use mesh_lab::{MeshLab, MeshSpec, MeshStage};
-pub use node::{Lab, LabError, LabOptions, Pod, ProcessGuard, local_config};
+pub use node::{LINK_ADDRS, Lab, LabError, LabOptions, Pod, ProcessGuard, local_config};
