@@ -427,7 +427,65 @@ async fn accept_backoff(e: std::io::Error) {
 
 #[cfg(test)]
 mod tests {
+    use futures::future::BoxFuture;
+
     use super::*;
+    use crate::proxy::identity::{CaClientError, CertOptions, Issued, RemoteCa, TrustBundle};
+
+    /// A CA that refuses every token.
+    struct Refusing;
+
+    impl RemoteCa for Refusing {
+        fn fetch<'a>(&'a self, _: &'a Identity) -> BoxFuture<'a, Result<Issued, CaClientError>> {
+            Box::pin(async {
+                Err(CaClientError::Unauthenticated {
+                    message: "unknown token".into(),
+                })
+            })
+        }
+    }
+
+    #[tokio::test]
+    async fn a_refused_certificate_fails_the_pod_start_with_the_cas_words() {
+        let yaml = "workloads:\n- {uid: c1//v1/Pod/default/client, name: client, namespace: default, \
+                    serviceAccount: alice, workloadIps: [\"10.9.0.2\"], protocol: HBONE}\n";
+        let cfg = crate::proxy::config::parse_local_config(yaml).expect("config");
+        let state = crate::proxy::state::StateHandle::new(
+            crate::proxy::state::ProxyState::from_config(&cfg).expect("state"),
+        );
+        let bundle = Arc::new(TrustBundle::new(Vec::new(), &[]));
+        let certs = CertManager::remote(
+            Arc::new(Refusing),
+            bundle,
+            CertOptions::new(Duration::from_secs(3600)),
+        );
+        let ctx = Arc::new(ProxyContext {
+            state,
+            certs: certs.clone(),
+            metrics: crate::proxy::metrics::Metrics::default(),
+            mark: crate::mesh::PacketMark::DEFAULT,
+            identity_from_handoff: false,
+        });
+        let manager = ProxyManager::new(ctx);
+        let info = WorkloadInfo {
+            name: "client".into(),
+            namespace: "default".into(),
+            service_account: "alice".into(),
+        };
+        let netns = Netns::current().expect("netns");
+        let err = manager
+            .add("uid-1".into(), info, netns)
+            .await
+            .expect_err("refused");
+        assert_eq!(
+            err.to_string(),
+            "fetching the certificate for spiffe://cluster.local/ns/default/sa/alice failed: \
+             CA refused the token (UNAUTHENTICATED): unknown token"
+        );
+        assert!(manager.is_empty());
+        let alice = Identity::new("cluster.local", "default", "alice");
+        assert_eq!(certs.holders(&alice), 0, "no reference left behind");
+    }
 
     #[test]
     fn config_dump_names_the_workload_info_as_ztunnel_does() {
