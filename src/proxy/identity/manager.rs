@@ -297,6 +297,9 @@ impl CertManager {
     /// non-transient failure (a refused token or identity, a bad answer),
     /// [`IdentityError::FetchTimeout`] when transient failures last
     /// [`CertOptions::ensure_timeout`].
+    ///
+    /// # Panics
+    /// With a remote CA, outside a tokio runtime (it spawns the identity's worker).
     pub async fn ensure(&self, id: &Identity) -> Result<Arc<WorkloadCert>, IdentityError> {
         let ca = match &self.issuer {
             Issuer::BuiltIn(_) => {
