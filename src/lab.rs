@@ -10,10 +10,12 @@
 pub mod bench;
 pub mod cnichain;
 pub mod demo;
+mod http;
+pub mod istiod;
 pub mod kube;
 mod mesh_lab;
 mod node;
 pub mod pcap;
 
 pub use mesh_lab::{MeshLab, MeshSpec, MeshStage};
-pub use node::{Lab, LabError, LabOptions, Pod, ProcessGuard, local_config};
+pub use node::{LINK_ADDRS, Lab, LabError, LabOptions, Pod, ProcessGuard, local_config};

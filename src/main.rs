@@ -110,9 +110,9 @@ struct ProxyOpts {
 /// `ztnode proxy` / `ztunnel`.
 #[derive(clap::Args, Debug, Clone)]
 struct ProxyCmd {
-    /// Local config (ztunnel LOCAL_XDS_PATH YAML format).
+    /// Local config (ztunnel LOCAL_XDS_PATH YAML format); not needed with istiod (`XDS_ADDRESS`).
     #[arg(long, env = "LOCAL_XDS_PATH")]
-    config: PathBuf,
+    config: Option<PathBuf>,
     /// The node agent's ZDS socket.
     #[arg(long, env = "INPOD_UDS", default_value = mesh::DEFAULT_ZDS_SOCKET)]
     zds_socket: PathBuf,
@@ -141,10 +141,17 @@ struct AgentCmd {
     agent: AgentOpts,
 }
 
-/// Parser for argv[0] `ztunnel`.
+/// Parser for argv[0] `ztunnel`: `ztunnel [proxy [ztunnel]]` as Istio's chart runs it, or
+/// `ztunnel version`.
 #[derive(Parser)]
 #[command(name = "ztunnel", about = "The ztnode proxy alone (as `ztnode proxy`)")]
 struct ZtunnelCli {
+    /// `proxy` (the default) or `version`.
+    #[arg(value_parser = ["proxy", "version"])]
+    mode: Option<String>,
+    /// The proxy's kind as the chart names it (`ztunnel`); only that one exists.
+    #[arg(value_parser = ["ztunnel"], requires = "mode")]
+    kind: Option<String>,
     #[command(flatten)]
     cmd: ProxyCmd,
 }
@@ -440,7 +447,10 @@ fn main() {
         .unwrap_or_default();
     let cmd = match base.as_str() {
         "ztnode-cni" => Cmd::Cni,
-        "ztunnel" => Cmd::Proxy(ZtunnelCli::parse().cmd),
+        "ztunnel" => match ZtunnelCli::parse() {
+            ZtunnelCli { mode: Some(m), .. } if m == "version" => Cmd::Version,
+            z => Cmd::Proxy(z.cmd),
+        },
         "ztnode-agent" => Cmd::Agent(AgentCli::parse().cmd),
         _ => Cli::parse().cmd,
     };

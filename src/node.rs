@@ -137,12 +137,14 @@ pub async fn run_agent(
 /// (reconnecting while it is absent). Errors: startup failures, and a ZDS protocol error from the
 /// agent (ztunnel exits then too).
 pub async fn run_proxy(
-    config: PathBuf,
+    config: Option<PathBuf>,
     cfg: ProxyConfig,
     zds_socket: PathBuf,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<()> {
-    tracing::info!(?cfg, config = %config.display(), zds_socket = %zds_socket.display(), "starting ztnode proxy");
+    tracing::info!(?cfg, ?config, zds_socket = %zds_socket.display(), "starting ztnode proxy");
+    let config =
+        config.context("--config (LOCAL_XDS_PATH) is required without istiod (XDS_ADDRESS)")?;
     let ready = Readiness::new();
     let state = load_state(Some(&config), &ready)?;
     let (stop_tx, stop_rx) = watch::channel(false);

@@ -20,6 +20,7 @@ pub mod copy;
 pub mod hbone;
 pub mod identity;
 pub mod inbound;
+pub mod istio_env;
 pub mod manager;
 pub mod metrics;
 pub mod outbound;

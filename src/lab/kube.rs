@@ -5,7 +5,6 @@
 //! The tests (`tests/e2e_kube.rs`) and `ztnode bench --only kube` use them; nothing here leaves the
 //! namespaces the lab made.
 
-use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr};
 use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};
@@ -119,39 +118,7 @@ impl FakeApi {
         path: &str,
         body: Option<(&str, &Value)>,
     ) -> Result<(u16, Value), LabError> {
-        let io = |what: &str| {
-            let what = format!("{what} {method} {path}");
-            move |source| LabError::Io { what, source }
-        };
-        let mut s = Lab::connect_from(&self.node, self.addr)?;
-        s.set_read_timeout(Some(Duration::from_secs(10)))
-            .map_err(io("timeout"))?;
-        let payload = body.map(|(_, v)| v.to_string()).unwrap_or_default();
-        let ctype = body.map(|(c, _)| c).unwrap_or("application/json");
-        write!(
-            s,
-            "{method} {path} HTTP/1.1\r\nHost: fake\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{payload}",
-            payload.len()
-        )
-        .map_err(io("send"))?;
-        let mut raw = Vec::new();
-        s.read_to_end(&mut raw).map_err(io("read"))?;
-        let text = String::from_utf8_lossy(&raw).into_owned();
-        let (head, rest) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-        let code = head
-            .split_whitespace()
-            .nth(1)
-            .and_then(|c| c.parse().ok())
-            .unwrap_or(0);
-        let body = if head
-            .to_ascii_lowercase()
-            .contains("transfer-encoding: chunked")
-        {
-            dechunk(rest)
-        } else {
-            rest.to_owned()
-        };
-        Ok((code, serde_json::from_str(&body).unwrap_or(Value::Null)))
+        super::http::request(&self.node, self.addr, method, path, body)
     }
 
     /// A request that must succeed (2xx): its body.
@@ -304,21 +271,6 @@ impl FakeApi {
     pub fn namespace(&self, name: &str) -> Result<Value, LabError> {
         self.ok("GET", &format!("/api/v1/namespaces/{name}"), None)
     }
-}
-
-fn dechunk(mut s: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, rest)) = s.split_once("\r\n") {
-        let Ok(n) = usize::from_str_radix(size.trim(), 16) else {
-            break;
-        };
-        if n == 0 || rest.len() < n {
-            break;
-        }
-        out.push_str(&rest[..n]);
-        s = rest[n..].trim_start_matches("\r\n");
-    }
-    out
 }
 
 /// A fake procfs in which each lab pod is one process (cgroup naming its UID, `ns/net` its

@@ -59,6 +59,9 @@ pub enum LabError {
     /// The fake API server did not start, or answered a request with an error.
     #[error("fake API server: {0}")]
     FakeApi(String),
+    /// The fake istiod did not start, or answered a control call with an error.
+    #[error("fake istiod: {0}")]
+    FakeIstiod(String),
 }
 
 /// Options of a lab.
@@ -360,16 +363,30 @@ impl Lab {
         log_level: &str,
         extra: &[std::ffi::OsString],
     ) -> Result<(ProcessGuard, PathBuf), LabError> {
+        let mut args: Vec<std::ffi::OsString> = vec!["--config".into(), config.into()];
+        args.extend_from_slice(extra);
+        self.start_node_with(exe, run_dir, &args, &[], log_level)
+    }
+
+    /// Starts `<exe> node --run-dir <run_dir> <args...>` with the extra environment `env` (e.g.
+    /// ztunnel's `XDS_ADDRESS`) inside the node netns, as [`Lab::start_node`] does.
+    pub fn start_node_with(
+        &self,
+        exe: &Path,
+        run_dir: &Path,
+        args: &[std::ffi::OsString],
+        env: &[(String, String)],
+        log_level: &str,
+    ) -> Result<(ProcessGuard, PathBuf), LabError> {
         let log = self.dir.join("node.log");
         let stderr =
             std::fs::File::create(&log).map_err(io(format!("create {}", log.display())))?;
         let mut cmd = Command::new(exe);
         cmd.arg("node")
-            .arg("--config")
-            .arg(config)
             .arg("--run-dir")
             .arg(run_dir)
-            .args(extra)
+            .args(args)
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .env("RUST_LOG", log_level)
             .stdout(std::process::Stdio::null())
             .stderr(stderr);
@@ -383,6 +400,55 @@ impl Lab {
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
         Ok((node, log))
+    }
+
+    /// Joins this node and `other` with a veth pair (`<prefix>-wan` on each side, this side
+    /// [`LINK_ADDRS`]`.0`, the other `.1`, a /30) and routes each node's pod subnet to the other
+    /// through it, so pods of the two labs reach each other as pods on two nodes do. The link
+    /// goes away with the namespaces.
+    pub fn link(&self, other: &Lab) -> Result<(), LabError> {
+        let (a, b) = (
+            format!("{}-wan", self.opts.prefix),
+            format!("{}-wan", other.opts.prefix),
+        );
+        let (a_ip, b_ip) = (LINK_ADDRS.0.to_string(), LINK_ADDRS.1.to_string());
+        ip(&[
+            "-n",
+            &self.node_name,
+            "link",
+            "add",
+            &a,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            &b,
+            "netns",
+            &other.node_name,
+        ])?;
+        for (ns, dev, addr) in [(&self.node_name, &a, &a_ip), (&other.node_name, &b, &b_ip)] {
+            ip(&["-n", ns, "addr", "add", &format!("{addr}/30"), "dev", dev])?;
+            ip(&["-n", ns, "link", "set", dev, "up"])?;
+        }
+        ip(&[
+            "-n",
+            &self.node_name,
+            "route",
+            "add",
+            &other.opts.subnet,
+            "via",
+            &b_ip,
+        ])?;
+        ip(&[
+            "-n",
+            &other.node_name,
+            "route",
+            "add",
+            &self.opts.subnet,
+            "via",
+            &a_ip,
+        ])?;
+        Ok(())
     }
 
     /// Starts tcpdump on the bridge (TCP only, immediate mode) writing to `pcap`, and waits until it
@@ -459,6 +525,12 @@ impl Lab {
             .map_err(io(format!("listen on {addr}")))
     }
 }
+
+/// The two ends of a [`Lab::link`]: the node that links, and the node it links to.
+pub const LINK_ADDRS: (std::net::Ipv4Addr, std::net::Ipv4Addr) = (
+    std::net::Ipv4Addr::new(192, 168, 250, 1),
+    std::net::Ipv4Addr::new(192, 168, 250, 2),
+);
 
 /// Accept queue length of [`Lab::listen_in`] listeners (the kernel caps it at `net.core.somaxconn`).
 const LISTEN_BACKLOG: i32 = 4096;

@@ -1,0 +1,452 @@
+//! ztunnel's environment, as Istio's ztunnel chart passes it (spec ztunnel.md §4-§5,
+//! istio-deploy.md §6): where istiod's xDS and CA are, how to authenticate, and who this proxy
+//! is. `ztnode node`, `ztnode proxy` and the `ztunnel` name all read it through
+//! [`IstioEnv::from_vars`].
+//!
+//! Defaults follow ztunnel (`src/config.rs`) with one difference: xDS is on only when
+//! `XDS_ADDRESS` is set (not empty), or when the process runs in a cluster
+//! (`KUBERNETES_SERVICE_HOST`) without a local config; standalone mode keeps working without a
+//! control plane. Names ztunnel reads but ztnode does not implement are reported by
+//! [`IstioEnv::unsupported`] so the caller can warn once.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use super::control::{CallAuth, ControlEndpoint, ControlError, RootSource};
+use super::identity::{DEFAULT_CERT_LIFETIME, DEFAULT_TRUST_DOMAIN};
+
+/// istiod's address in a cluster (ztunnel's default when `KUBERNETES_SERVICE_HOST` is set).
+pub const IN_CLUSTER_ISTIOD: &str = "https://istiod.istio-system.svc:15012";
+/// Default bearer token file (ztunnel `AUTH_TOKEN` default, relative to the working dir `/`).
+pub const DEFAULT_TOKEN_FILE: &str = "./var/run/secrets/tokens/istio-token";
+/// Default control-plane root (ztunnel `XDS_ROOT_CA` / `CA_ROOT_CA` default).
+pub const DEFAULT_ROOT_FILE: &str = "./var/run/secrets/istio/root-cert.pem";
+/// Default cluster id (`clusterid` header, node metadata).
+pub const DEFAULT_CLUSTER_ID: &str = "Kubernetes";
+/// ztunnel's default `INSTANCE_IP` in its node id when none is given.
+pub const DEFAULT_INSTANCE_IP: &str = "1.1.1.1";
+
+/// Env names ztunnel reads that ztnode does not implement (yet): each set one is warned about
+/// once. The names ztnode implements are read in [`IstioEnv::from_vars`] or by clap in `main`.
+const UNSUPPORTED: &[&str] = &[
+    "PROXY_MODE",
+    "PROXY_WORKLOAD_INFO",
+    "LOCAL_XDS",
+    "INPOD_PORT_REUSE",
+    "ZTUNNEL_WORKER_THREADS",
+    "POOL_MAX_STREAMS_PER_CONNECTION",
+    "POOL_UNUSED_RELEASE_TIMEOUT",
+    "HTTP2_STREAM_WINDOW_SIZE",
+    "HTTP2_CONNECTION_WINDOW_SIZE",
+    "HTTP2_FRAME_SIZE",
+    "CONNECTION_TERMINATION_DEADLINE",
+    "TERMINATION_GRACE_PERIOD_SECONDS",
+    "ENABLE_ORIG_SRC",
+    "IPV6_ENABLED",
+    "KEEPALIVE_TIME",
+    "KEEPALIVE_INTERVAL",
+    "KEEPALIVE_RETRIES",
+    "KEEPALIVE_ENABLED",
+    "USER_TIMEOUT_ENABLED",
+    "LOCALHOST_APP_TUNNEL",
+    "ENABLE_RESPONSE_BAGGAGE",
+    "UNSTABLE_ENABLE_SOCKS5",
+    "PROXY_CONFIG",
+    "CRL_PATH",
+    "TLS12_ENABLED",
+    "COMPLIANCE_POLICY",
+    "AUTHZ_POLICY_INFO_LOGGING",
+    "CLUSTER_DOMAIN",
+    "DNS_PROXY_ADDR",
+];
+
+/// What [`IstioEnv::from_vars`] rejects.
+#[derive(Debug, thiserror::Error)]
+pub enum EnvError {
+    /// A duration (`SECRET_TTL`) does not parse.
+    #[error("{name}={value:?} is not a duration like `24h`, `90m` or `3600s`")]
+    Duration {
+        /// The env name.
+        name: &'static str,
+        /// The value.
+        value: String,
+    },
+    /// A boolean does not parse.
+    #[error("{name}={value:?} is not a boolean (true/false)")]
+    Bool {
+        /// The env name.
+        name: &'static str,
+        /// The value.
+        value: String,
+    },
+    /// An address is invalid.
+    #[error("{name}: {source}")]
+    Address {
+        /// The env name.
+        name: &'static str,
+        /// What is wrong.
+        #[source]
+        source: ControlError,
+    },
+}
+
+/// One control-plane service as configured: endpoint and call metadata.
+#[derive(Clone, Debug)]
+pub struct ControlService {
+    /// Address, roots and verified name.
+    pub endpoint: ControlEndpoint,
+    /// Token, cluster id and extra headers of every call.
+    pub auth: CallAuth,
+}
+
+/// The proxy's settings from ztunnel's env.
+#[derive(Clone, Debug)]
+pub struct IstioEnv {
+    /// istiod's delta xDS, when on.
+    pub xds: Option<ControlService>,
+    /// istiod's CA, when on (`None` with `FAKE_CA=true` or without xDS: the built-in CA).
+    pub ca: Option<ControlService>,
+    /// `CLUSTER_ID` (`ISTIO_META_CLUSTER_ID` wins), default `Kubernetes`.
+    pub cluster_id: String,
+    /// `TRUST_DOMAIN`, default `cluster.local`.
+    pub trust_domain: String,
+    /// `SECRET_TTL`: requested workload certificate lifetime, default 24 h.
+    pub secret_ttl: Duration,
+    /// `NODE_NAME`.
+    pub node_name: String,
+    /// `POD_NAME` of the proxy itself.
+    pub pod_name: String,
+    /// `POD_NAMESPACE` of the proxy itself.
+    pub pod_namespace: String,
+    /// `INSTANCE_IP` (default `1.1.1.1`, as ztunnel's node id).
+    pub instance_ip: String,
+    /// `NETWORK`.
+    pub network: String,
+    /// `XDS_ON_DEMAND` (ztnode subscribes to everything regardless; see [`IstioEnv::unsupported`]).
+    pub xds_on_demand: bool,
+    /// `FAKE_CA`: the built-in CA even with xDS on.
+    pub fake_ca: bool,
+    /// `ISTIO_META_*` (prefix stripped) for the xDS node metadata.
+    pub proxy_metadata: BTreeMap<String, String>,
+    unsupported: Vec<String>,
+}
+
+impl IstioEnv {
+    /// Reads the env from `vars` (e.g. `std::env::vars()`); `has_local_config` says whether a
+    /// local config (`--config` / `LOCAL_XDS_PATH`) was given, which keeps xDS off unless
+    /// `XDS_ADDRESS` asks for it.
+    ///
+    /// # Errors
+    /// Unparsable durations, booleans or addresses ([`EnvError`]).
+    pub fn from_vars(
+        vars: impl IntoIterator<Item = (String, String)>,
+        has_local_config: bool,
+    ) -> Result<IstioEnv, EnvError> {
+        let vars: BTreeMap<String, String> = vars.into_iter().collect();
+        let get = |k: &str| vars.get(k).map(String::as_str);
+        let boolean = |name: &'static str| -> Result<bool, EnvError> {
+            match get(name).map(str::to_ascii_lowercase).as_deref() {
+                None | Some("") => Ok(false),
+                Some("true" | "1") => Ok(true),
+                Some("false" | "0") => Ok(false),
+                Some(v) => Err(EnvError::Bool {
+                    name,
+                    value: v.to_owned(),
+                }),
+            }
+        };
+        let cluster_id = get("ISTIO_META_CLUSTER_ID")
+            .or(get("CLUSTER_ID"))
+            .filter(|v| !v.is_empty())
+            .unwrap_or(DEFAULT_CLUSTER_ID)
+            .to_owned();
+        let secret_ttl = match get("SECRET_TTL").filter(|v| !v.is_empty()) {
+            None => DEFAULT_CERT_LIFETIME,
+            Some(v) => parse_duration(v).ok_or_else(|| EnvError::Duration {
+                name: "SECRET_TTL",
+                value: v.to_owned(),
+            })?,
+        };
+        let fake_ca = boolean("FAKE_CA")?;
+        let xds_address = match get("XDS_ADDRESS") {
+            Some("") => None,
+            Some(a) => Some(a.to_owned()),
+            None if !has_local_config && get("KUBERNETES_SERVICE_HOST").is_some() => {
+                Some(IN_CLUSTER_ISTIOD.to_owned())
+            }
+            None => None,
+        };
+        let token_file = PathBuf::from(get("AUTH_TOKEN").unwrap_or(DEFAULT_TOKEN_FILE));
+        let service = |name: &'static str,
+                       address: &str,
+                       root_env: &str,
+                       alt_env: &str,
+                       header_prefix: &str|
+         -> Result<ControlService, EnvError> {
+            let roots = RootSource::parse(get(root_env).unwrap_or(DEFAULT_ROOT_FILE));
+            let alt = get(alt_env).map(str::to_owned);
+            let endpoint = ControlEndpoint::new(address, roots, alt)
+                .map_err(|source| EnvError::Address { name, source })?;
+            let headers = vars
+                .iter()
+                .filter_map(|(k, v)| {
+                    let h = k.strip_prefix(header_prefix)?;
+                    Some((h.to_ascii_lowercase().replace('_', "-"), v.clone()))
+                })
+                .collect();
+            Ok(ControlService {
+                endpoint,
+                auth: CallAuth {
+                    token_file: Some(token_file.clone()),
+                    cluster_id: cluster_id.clone(),
+                    headers,
+                },
+            })
+        };
+        let xds = xds_address
+            .as_deref()
+            .map(|a| {
+                service(
+                    "XDS_ADDRESS",
+                    a,
+                    "XDS_ROOT_CA",
+                    "ALT_XDS_HOSTNAME",
+                    "XDS_HEADER_",
+                )
+            })
+            .transpose()?;
+        let ca_address = match get("CA_ADDRESS") {
+            Some("") => None,
+            Some(a) => Some(a.to_owned()),
+            None => xds_address.clone(),
+        };
+        let ca = if fake_ca {
+            None
+        } else {
+            ca_address
+                .as_deref()
+                .map(|a| {
+                    service(
+                        "CA_ADDRESS",
+                        a,
+                        "CA_ROOT_CA",
+                        "ALT_CA_HOSTNAME",
+                        "CA_HEADER_",
+                    )
+                })
+                .transpose()?
+        };
+        let mut unsupported: Vec<String> = UNSUPPORTED
+            .iter()
+            .filter(|n| get(n).is_some())
+            .map(|n| (*n).to_owned())
+            .collect();
+        let xds_on_demand = boolean("XDS_ON_DEMAND")?;
+        if xds_on_demand {
+            unsupported.push("XDS_ON_DEMAND (ztnode subscribes to every resource)".into());
+        }
+        if get("PROXY_MODE").is_some_and(|m| m == "shared") {
+            unsupported.retain(|n| n != "PROXY_MODE");
+        }
+        Ok(IstioEnv {
+            xds,
+            ca,
+            cluster_id,
+            trust_domain: get("TRUST_DOMAIN")
+                .filter(|v| !v.is_empty())
+                .unwrap_or(DEFAULT_TRUST_DOMAIN)
+                .to_owned(),
+            secret_ttl,
+            node_name: get("NODE_NAME").unwrap_or_default().to_owned(),
+            pod_name: get("POD_NAME").unwrap_or_default().to_owned(),
+            pod_namespace: get("POD_NAMESPACE").unwrap_or_default().to_owned(),
+            instance_ip: get("INSTANCE_IP")
+                .filter(|v| !v.is_empty())
+                .unwrap_or(DEFAULT_INSTANCE_IP)
+                .to_owned(),
+            network: get("NETWORK").unwrap_or_default().to_owned(),
+            xds_on_demand,
+            fake_ca,
+            proxy_metadata: vars
+                .iter()
+                .filter_map(|(k, v)| Some((k.strip_prefix("ISTIO_META_")?.to_owned(), v.clone())))
+                .collect(),
+            unsupported,
+        })
+    }
+
+    /// Set env names that ztunnel reads and ztnode ignores (to warn about once at start).
+    pub fn unsupported(&self) -> &[String] {
+        &self.unsupported
+    }
+
+    /// Logs one warning per [`IstioEnv::unsupported`] name.
+    pub fn warn_unsupported(&self) {
+        for name in &self.unsupported {
+            tracing::warn!(env = %name, "ztunnel setting not supported by ztnode; ignored");
+        }
+    }
+}
+
+/// Parses a Go-style duration as ztunnel's `SECRET_TTL` takes it: one or more `<number><unit>`
+/// with units `ms`, `s`, `m`, `h`, `d` (e.g. `24h`, `1h30m`, `90s`); a bare number is seconds.
+pub fn parse_duration(s: &str) -> Option<Duration> {
+    let s = s.trim();
+    if let Ok(secs) = s.parse::<u64>() {
+        return Some(Duration::from_secs(secs));
+    }
+    let mut total = Duration::ZERO;
+    let mut rest = s;
+    if rest.is_empty() {
+        return None;
+    }
+    while !rest.is_empty() {
+        let digits = rest
+            .find(|c: char| !c.is_ascii_digit() && c != '.')
+            .filter(|&i| i > 0)?;
+        let n: f64 = rest[..digits].parse().ok()?;
+        rest = &rest[digits..];
+        let unit_len = rest
+            .find(|c: char| c.is_ascii_digit())
+            .unwrap_or(rest.len());
+        let unit = match &rest[..unit_len] {
+            "ms" => 0.001,
+            "s" => 1.0,
+            "m" => 60.0,
+            "h" => 3600.0,
+            "d" => 86400.0,
+            _ => return None,
+        };
+        rest = &rest[unit_len..];
+        total += Duration::try_from_secs_f64(n * unit).ok()?;
+    }
+    Some(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)], local: bool) -> Result<IstioEnv, EnvError> {
+        IstioEnv::from_vars(
+            pairs
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned())),
+            local,
+        )
+    }
+
+    #[test]
+    fn durations_parse_as_go_writes_them() {
+        assert_eq!(parse_duration("24h"), Some(Duration::from_secs(86400)));
+        assert_eq!(parse_duration("1h30m"), Some(Duration::from_secs(5400)));
+        assert_eq!(parse_duration("60s"), Some(Duration::from_secs(60)));
+        assert_eq!(parse_duration("3600"), Some(Duration::from_secs(3600)));
+        assert_eq!(parse_duration("500ms"), Some(Duration::from_millis(500)));
+        for bad in ["", "h", "10x", "1.5.2h", "-1h"] {
+            assert_eq!(parse_duration(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_charts_env_turns_on_xds_and_the_ca_with_https_added() {
+        let e = env(
+            &[
+                ("XDS_ADDRESS", "istiod.istio-system.svc:15012"),
+                ("CA_ROOT_CA", "/ca/root.pem"),
+                ("ISTIO_META_CLUSTER_ID", "c1"),
+                ("CLUSTER_ID", "ignored"),
+                ("SECRET_TTL", "60s"),
+                ("NODE_NAME", "node-1"),
+                ("POD_NAME", "ztunnel-abc"),
+                ("POD_NAMESPACE", "istio-system"),
+                ("INSTANCE_IP", "10.0.0.5"),
+                ("XDS_HEADER_X_TENANT", "t1"),
+            ],
+            false,
+        )
+        .expect("env");
+        let xds = e.xds.expect("xds on");
+        assert_eq!(
+            xds.endpoint.address.to_string(),
+            "https://istiod.istio-system.svc:15012/"
+        );
+        assert_eq!(
+            xds.endpoint.roots,
+            RootSource::File(DEFAULT_ROOT_FILE.into())
+        );
+        assert_eq!(xds.auth.cluster_id, "c1");
+        assert_eq!(xds.auth.token_file, Some(PathBuf::from(DEFAULT_TOKEN_FILE)));
+        assert_eq!(xds.auth.headers, [("x-tenant".to_owned(), "t1".to_owned())]);
+        let ca = e.ca.expect("ca on");
+        assert_eq!(
+            ca.endpoint.address, xds.endpoint.address,
+            "CA_ADDRESS defaults to XDS_ADDRESS"
+        );
+        assert_eq!(ca.endpoint.roots, RootSource::File("/ca/root.pem".into()));
+        assert!(ca.auth.headers.is_empty());
+        assert_eq!(e.secret_ttl, Duration::from_secs(60));
+        assert_eq!(e.cluster_id, "c1");
+        assert_eq!(
+            e.proxy_metadata.get("CLUSTER_ID").map(String::as_str),
+            Some("c1")
+        );
+        assert_eq!(
+            (e.node_name.as_str(), e.instance_ip.as_str()),
+            ("node-1", "10.0.0.5")
+        );
+    }
+
+    #[test]
+    fn standalone_stays_standalone_and_in_cluster_defaults_to_istiod() {
+        let e = env(&[], true).expect("env");
+        assert!(e.xds.is_none() && e.ca.is_none());
+        assert_eq!(e.cluster_id, DEFAULT_CLUSTER_ID);
+        assert_eq!(e.secret_ttl, DEFAULT_CERT_LIFETIME);
+        let e = env(&[("KUBERNETES_SERVICE_HOST", "10.96.0.1")], true).expect("env");
+        assert!(e.xds.is_none(), "a local config keeps xDS off in a cluster");
+        let e = env(&[("KUBERNETES_SERVICE_HOST", "10.96.0.1")], false).expect("env");
+        assert_eq!(
+            e.xds.expect("xds").endpoint.address.to_string(),
+            "https://istiod.istio-system.svc:15012/"
+        );
+        let e = env(
+            &[("KUBERNETES_SERVICE_HOST", "h"), ("XDS_ADDRESS", "")],
+            false,
+        )
+        .expect("env");
+        assert!(e.xds.is_none(), "an empty XDS_ADDRESS disables xDS");
+        let e = env(
+            &[("XDS_ADDRESS", "https://127.0.0.1:1"), ("FAKE_CA", "true")],
+            true,
+        )
+        .expect("env");
+        assert!(
+            e.xds.is_some() && e.ca.is_none(),
+            "FAKE_CA keeps the built-in CA"
+        );
+    }
+
+    #[test]
+    fn bad_values_are_clear_errors_and_unsupported_names_are_listed() {
+        let err = env(&[("SECRET_TTL", "soon")], true).expect_err("bad ttl");
+        assert!(err.to_string().contains("SECRET_TTL=\"soon\""), "{err}");
+        let err = env(&[("FAKE_CA", "yes please")], true).expect_err("bad bool");
+        assert!(err.to_string().contains("FAKE_CA"), "{err}");
+        let err = env(&[("XDS_ADDRESS", "http://istiod:15010")], true).expect_err("plaintext");
+        assert!(err.to_string().contains("XDS_ADDRESS"), "{err}");
+        let e = env(
+            &[
+                ("INPOD_PORT_REUSE", "true"),
+                ("PROXY_MODE", "shared"),
+                ("XDS_ON_DEMAND", "true"),
+            ],
+            true,
+        )
+        .expect("env");
+        assert_eq!(e.unsupported().len(), 2, "{:?}", e.unsupported());
+        assert_eq!(e.unsupported()[0], "INPOD_PORT_REUSE");
+        assert!(e.unsupported()[1].starts_with("XDS_ON_DEMAND"));
+    }
+}
