@@ -11,7 +11,6 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
-use std::net::IpAddr;
 use std::time::Duration;
 
 use prost_types::value::Kind;
@@ -19,6 +18,7 @@ use prost_types::value::Kind;
 use super::held::{Held, Outcome, ResourceType};
 use super::proto::{DeltaDiscoveryRequest, DeltaDiscoveryResponse, Node, Struct, Value};
 use crate::proxy::control::{self, CallAuth, ControlEndpoint, ControlError};
+use crate::proxy::istio_env::IstioEnv;
 use crate::proxy::state::{ProxyState, StateHandle};
 use crate::ready::{Readiness, Task};
 
@@ -58,11 +58,12 @@ pub struct NodeIdentity {
 }
 
 /// What the node identity is made of (ztunnel's `INSTANCE_IP`, `POD_NAME`, `POD_NAMESPACE`,
-/// `NODE_NAME`, `CLUSTER_ID`).
+/// `NODE_NAME`, `CLUSTER_ID`, `ISTIO_META_*`); [`NodeParams::from_env`] takes them from the
+/// parsed env.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct NodeParams {
-    /// The proxy pod's IPs; the first goes into the id (none: `1.1.1.1`).
-    pub instance_ips: Vec<IpAddr>,
+    /// The proxy pod's IP (empty: `1.1.1.1`).
+    pub instance_ip: String,
     /// The proxy pod's name.
     pub pod_name: String,
     /// The proxy pod's namespace.
@@ -71,6 +72,8 @@ pub struct NodeParams {
     pub node_name: String,
     /// The cluster id (empty: `Kubernetes`).
     pub cluster_id: String,
+    /// Extra metadata (`ISTIO_META_*` with the prefix stripped); the keys above win.
+    pub proxy_metadata: BTreeMap<String, String>,
 }
 
 /// Jittered exponential reconnect delays: `initial` doubling up to `max`, each delay drawn from
@@ -138,41 +141,60 @@ impl XdsConfig {
             backoff: Backoff::default(),
         }
     }
+
+    /// The config of the parsed env: `None` when xDS is off (no `XDS_ADDRESS`, or a local config).
+    pub fn from_env(env: &IstioEnv) -> Option<XdsConfig> {
+        let xds = env.xds.as_ref()?;
+        let node = NodeIdentity::ztunnel(&NodeParams::from_env(env));
+        Some(XdsConfig::new(xds.endpoint.clone(), xds.auth.clone(), node))
+    }
+}
+
+// === impl NodeParams ===
+
+impl NodeParams {
+    /// The node settings of the parsed env.
+    pub fn from_env(env: &IstioEnv) -> NodeParams {
+        NodeParams {
+            instance_ip: env.instance_ip.clone(),
+            pod_name: env.pod_name.clone(),
+            pod_namespace: env.pod_namespace.clone(),
+            node_name: env.node_name.clone(),
+            cluster_id: env.cluster_id.clone(),
+            proxy_metadata: env.proxy_metadata.clone(),
+        }
+    }
 }
 
 // === impl NodeIdentity ===
 
 impl NodeIdentity {
     /// ztunnel's node: id `ztunnel~<INSTANCE_IP>~<POD_NAME>.<POD_NAMESPACE>~<POD_NAMESPACE>.svc.cluster.local`,
-    /// metadata `NAME`, `NAMESPACE`, `INSTANCE_IPS` (comma-separated), `NODE_NAME`, `CLUSTER_ID`.
+    /// metadata = the proxy metadata plus `NAME`, `NAMESPACE`, `INSTANCE_IPS`, `NODE_NAME`,
+    /// `CLUSTER_ID`.
     pub fn ztunnel(p: &NodeParams) -> NodeIdentity {
-        let ip = p
-            .instance_ips
-            .first()
-            .map_or_else(|| DEFAULT_INSTANCE_IP.to_owned(), IpAddr::to_string);
+        let ip = if p.instance_ip.is_empty() {
+            DEFAULT_INSTANCE_IP
+        } else {
+            &p.instance_ip
+        };
         let ns = &p.pod_namespace;
         let id = format!("ztunnel~{ip}~{}.{ns}~{ns}.svc.cluster.local", p.pod_name);
-        let ips = if p.instance_ips.is_empty() {
-            ip
-        } else {
-            let all: Vec<String> = p.instance_ips.iter().map(IpAddr::to_string).collect();
-            all.join(",")
-        };
         let cluster_id = if p.cluster_id.is_empty() {
             DEFAULT_CLUSTER_ID
         } else {
             &p.cluster_id
         };
-        let metadata = [
+        let mut metadata = p.proxy_metadata.clone();
+        for (k, v) in [
             ("NAME", p.pod_name.as_str()),
             ("NAMESPACE", ns.as_str()),
-            ("INSTANCE_IPS", ips.as_str()),
+            ("INSTANCE_IPS", ip),
             ("NODE_NAME", p.node_name.as_str()),
             ("CLUSTER_ID", cluster_id),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_owned(), v.to_owned()))
-        .collect();
+        ] {
+            metadata.insert(k.to_owned(), v.to_owned());
+        }
         NodeIdentity { id, metadata }
     }
 
@@ -261,7 +283,8 @@ impl XdsClient {
                     tracing::info!(%address, ?delay, "xds stream closed by istiod; reconnecting");
                 }
                 Err(e) => {
-                    tracing::warn!(%address, error = %e, ?delay, "xds stream failed; reconnecting");
+                    let error = error_chain(&e);
+                    tracing::warn!(%address, %error, ?delay, "xds stream failed; reconnecting");
                 }
                 Ok(()) => {}
             }
@@ -323,6 +346,22 @@ impl XdsClient {
     }
 }
 
+/// `e` and its sources, `: `-separated, skipping a source whose text is already in the message
+/// (tonic's transport errors say only "transport error" at the top).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let part = s.to_string();
+        if !text.contains(&part) {
+            text.push_str(": ");
+            text.push_str(&part);
+        }
+        source = s.source();
+    }
+    text
+}
+
 fn log_outcome(resp: &DeltaDiscoveryResponse, out: &Outcome) {
     let t: &str = match out.resource_type {
         Some(t) => t.name(),
@@ -357,16 +396,17 @@ mod tests {
     #[test]
     fn the_node_id_and_metadata_are_ztunnels() {
         let node = NodeIdentity::ztunnel(&NodeParams {
-            instance_ips: vec![
-                "10.0.0.5".parse().expect("ip"),
-                "fd00::5".parse().expect("ip"),
-            ],
+            instance_ip: "10.0.0.5".into(),
             pod_name: "ztunnel-abc".into(),
             pod_namespace: "istio-system".into(),
             node_name: "node-1".into(),
             cluster_id: String::new(),
+            proxy_metadata: [("EXTRA", "x"), ("NODE_NAME", "ignored")]
+                .into_iter()
+                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                .collect(),
         })
-        .with_metadata("EXTRA", "x");
+        .with_metadata("MORE", "y");
         assert_eq!(
             node.id,
             "ztunnel~10.0.0.5~ztunnel-abc.istio-system~istio-system.svc.cluster.local"
@@ -381,7 +421,8 @@ mod tests {
             [
                 ("CLUSTER_ID", "Kubernetes"),
                 ("EXTRA", "x"),
-                ("INSTANCE_IPS", "10.0.0.5,fd00::5"),
+                ("INSTANCE_IPS", "10.0.0.5"),
+                ("MORE", "y"),
                 ("NAME", "ztunnel-abc"),
                 ("NAMESPACE", "istio-system"),
                 ("NODE_NAME", "node-1"),
@@ -396,6 +437,45 @@ mod tests {
         let bare = NodeIdentity::ztunnel(&NodeParams::default());
         assert_eq!(bare.id, "ztunnel~1.1.1.1~.~.svc.cluster.local");
         assert_eq!(bare.metadata["INSTANCE_IPS"], "1.1.1.1");
+    }
+
+    #[test]
+    fn the_config_comes_from_the_charts_env() {
+        let vars = [
+            ("XDS_ADDRESS", "istiod.istio-system.svc:15012"),
+            ("ISTIO_META_CLUSTER_ID", "c1"),
+            ("NODE_NAME", "node-1"),
+            ("POD_NAME", "ztunnel-abc"),
+            ("POD_NAMESPACE", "istio-system"),
+            ("INSTANCE_IP", "10.0.0.5"),
+        ];
+        let env = IstioEnv::from_vars(
+            vars.iter().map(|(k, v)| (k.to_string(), v.to_string())),
+            false,
+        )
+        .expect("env");
+        let cfg = XdsConfig::from_env(&env).expect("xds on");
+        assert_eq!(
+            cfg.node.id,
+            "ztunnel~10.0.0.5~ztunnel-abc.istio-system~istio-system.svc.cluster.local"
+        );
+        assert_eq!(cfg.node.metadata["CLUSTER_ID"], "c1");
+        assert_eq!(cfg.auth.cluster_id, "c1");
+        assert_eq!(cfg.backoff, Backoff::default());
+        let off = IstioEnv::from_vars(std::iter::empty(), true).expect("env");
+        assert!(XdsConfig::from_env(&off).is_none());
+    }
+
+    #[test]
+    fn logged_errors_carry_their_sources_once() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
+        let e = XdsError::Control(ControlError::ReadToken {
+            path: "/t".into(),
+            source: io,
+        });
+        assert_eq!(error_chain(&e), "cannot read the token /t: refused");
+        let status = XdsError::Stream(tonic::Status::unavailable("bye"));
+        assert!(error_chain(&status).starts_with("delta ADS stream failed: "));
     }
 
     #[test]
