@@ -109,7 +109,7 @@ pub enum AddressResource {
 /// Decodes and converts the bytes of an `istio.workload.Address`.
 ///
 /// # Errors
-/// [`ConvertError::Decode`] for bytes that are no such message, else see [`address`].
+/// [`ConvertError::Decode`] for bytes that are no such message, else see [`address()`].
 pub fn decode_address(bytes: &[u8]) -> Result<AddressResource, ConvertError> {
     address(&wl::Address::decode(bytes)?)
 }
