@@ -31,6 +31,7 @@ pub mod socket;
 pub mod state;
 pub mod task;
 pub mod tls;
+pub mod xds;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

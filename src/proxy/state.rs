@@ -274,6 +274,28 @@ impl ProxyState {
     /// `namespace/name` pairs, service `namespace/hostname` keys, service VIPs. IPs are
     /// compared across networks, since lookups are by IP alone.
     pub fn from_config(cfg: &LocalConfig) -> Result<ProxyState, ConfigError> {
+        ProxyState::build(cfg, Err)
+    }
+
+    /// Builds a snapshot like [`ProxyState::from_config`], but a duplicate is no error: the later
+    /// record wins the index (as ztunnel's stores do when xDS pushes overlap, e.g. a pod IP
+    /// reused before the old pod's removal arrives). Returns the duplicates found, for logging.
+    pub fn from_config_lenient(cfg: &LocalConfig) -> (ProxyState, Vec<ConfigError>) {
+        let mut conflicts = Vec::new();
+        let built = ProxyState::build(cfg, |e| {
+            conflicts.push(e);
+            Ok(())
+        });
+        // The callback never fails, so neither does the build.
+        (built.unwrap_or_default(), conflicts)
+    }
+
+    /// Indexes `cfg`; every duplicate goes to `conflict`, which either stops the build (`Err`)
+    /// or lets the later record win (`Ok`).
+    fn build(
+        cfg: &LocalConfig,
+        mut conflict: impl FnMut(ConfigError) -> Result<(), ConfigError>,
+    ) -> Result<ProxyState, ConfigError> {
         let mut st = ProxyState::default();
         let mut ip_owner: HashMap<IpAddr, usize> = HashMap::new();
         let mut uid_owner: HashMap<String, usize> = HashMap::new();
@@ -284,11 +306,11 @@ impl ProxyState {
             if w.network_mode != NetworkMode::HostNetwork {
                 for ip in &w.workload_ips {
                     if let Some(&j) = ip_owner.get(ip) {
-                        return Err(ConfigError::DuplicateWorkloadIp {
+                        conflict(ConfigError::DuplicateWorkloadIp {
                             ip: *ip,
                             first: label(j),
                             second: w.label(i),
-                        });
+                        })?;
                     }
                     ip_owner.insert(*ip, i);
                     st.by_ip.insert(*ip, w.clone());
@@ -296,11 +318,11 @@ impl ProxyState {
             }
             if !w.uid.is_empty() {
                 if let Some(&j) = uid_owner.get(&w.uid) {
-                    return Err(ConfigError::DuplicateWorkloadUid {
+                    conflict(ConfigError::DuplicateWorkloadUid {
                         uid: w.uid.clone(),
                         first: label(j),
                         second: w.label(i),
-                    });
+                    })?;
                 }
                 uid_owner.insert(w.uid.clone(), i);
                 st.by_uid.insert(w.uid.clone(), w.clone());
@@ -308,12 +330,12 @@ impl ProxyState {
             if !w.name.is_empty() {
                 let key = (w.namespace.clone(), w.name.clone());
                 if let Some(&j) = name_owner.get(&key) {
-                    return Err(ConfigError::DuplicateWorkloadName {
-                        namespace: key.0,
-                        name: key.1,
+                    conflict(ConfigError::DuplicateWorkloadName {
+                        namespace: key.0.clone(),
+                        name: key.1.clone(),
                         first: label(j),
                         second: w.label(i),
-                    });
+                    })?;
                 }
                 name_owner.insert(key.clone(), i);
                 st.by_name.insert(key, w.clone());
@@ -327,19 +349,19 @@ impl ProxyState {
             let s = Arc::new(Service::from_local(ls));
             let key = s.key();
             if let Some(&j) = key_owner.get(&key) {
-                return Err(ConfigError::DuplicateService {
-                    key,
+                conflict(ConfigError::DuplicateService {
+                    key: key.clone(),
                     first: format!("services[{j}]"),
                     second: format!("services[{i}]"),
-                });
+                })?;
             }
             for (_, vip) in &s.vips {
                 if let Some(&j) = vip_owner.get(vip) {
-                    return Err(ConfigError::DuplicateVip {
+                    conflict(ConfigError::DuplicateVip {
                         vip: *vip,
                         first: format!("services[{j}] ({})", st.services[j].key()),
                         second: format!("services[{i}] ({key})"),
-                    });
+                    })?;
                 }
                 vip_owner.insert(*vip, i);
                 st.by_vip.insert(*vip, s.clone());
@@ -353,11 +375,13 @@ impl ProxyState {
         for (i, p) in cfg.policies.iter().enumerate() {
             let key = (p.namespace.as_str(), p.name.as_str());
             if let Some(&j) = policy_owner.get(&key) {
-                return Err(ConfigError::DuplicatePolicy {
+                conflict(ConfigError::DuplicatePolicy {
                     key: format!("{}/{}", p.namespace, p.name),
                     first: format!("policies[{j}]"),
                     second: format!("policies[{i}]"),
-                });
+                })?;
+                st.policies[j] = Arc::new(p.clone());
+                continue;
             }
             policy_owner.insert(key, i);
             st.policies.push(Arc::new(p.clone()));

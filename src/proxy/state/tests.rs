@@ -1,7 +1,7 @@
 use std::time::Duration;
 
 use super::*;
-use crate::proxy::config::parse_local_config;
+use crate::proxy::config::{PolicyAction, parse_local_config};
 
 const LOCALHOST_YAML: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
@@ -277,4 +277,22 @@ async fn watcher_ignores_invalid_edits() {
     .await;
     assert_eq!(handle.version(), 1);
     task.abort();
+}
+
+#[test]
+fn lenient_build_lets_the_later_duplicate_win_and_reports_it() {
+    let cfg = parse_local_config(
+        "workloads:\n- name: a\n  namespace: ns\n  workloadIps: [\"10.0.0.1\"]\n- name: b\n  namespace: ns\n  workloadIps: [\"10.0.0.1\"]\n\
+         services:\n- {name: s, namespace: ns, hostname: h1, vips: [\"/10.96.0.1\"]}\n- {name: t, namespace: ns, hostname: h2, vips: [\"/10.96.0.1\"]}\n\
+         policies:\n- {name: p, namespace: ns, scope: Namespace, action: Allow}\n- {name: p, namespace: ns, scope: Namespace, action: Deny}\n",
+    )
+    .expect("yaml parses");
+    assert!(ProxyState::from_config(&cfg).is_err());
+    let (st, conflicts) = ProxyState::from_config_lenient(&cfg);
+    assert_eq!(conflicts.len(), 3, "{conflicts:?}");
+    assert_eq!(st.workload_by_ip(ip("10.0.0.1")).unwrap().name, "b");
+    assert_eq!(st.service_by_vip(ip("10.96.0.1")).unwrap().hostname, "h2");
+    let policies: Vec<_> = st.policies().collect();
+    assert_eq!(policies.len(), 1);
+    assert_eq!(policies[0].action, PolicyAction::Deny);
 }
