@@ -15,7 +15,9 @@ use ztnode::agent::install::{
 use ztnode::agent::kube::{KubeAccess, KubeSettings};
 use ztnode::agent::{AgentConfig, KubeMode};
 use ztnode::mesh::{self, PacketMark};
-use ztnode::proxy::ProxyConfig;
+use ztnode::proxy::istio_env::IstioEnv;
+use ztnode::proxy::xds::XdsConfig;
+use ztnode::proxy::{CertSource, ProxyConfig};
 use ztnode::runtime;
 
 #[global_allocator]
@@ -259,9 +261,11 @@ fn run(cmd: Cmd) -> anyhow::Result<i32> {
         Cmd::Proxy(p) => {
             runtime::init_tracing();
             runtime::raise_nofile_limit();
-            let cfg = proxy_config(&p.proxy, &p.mesh, &p.run_dir);
+            let env = istio_env(&p.config)?;
+            let cfg = proxy_config(&p.proxy, &p.mesh, &p.run_dir, &env);
+            let source = workload_source(p.config, &env, &None)?;
             runtime::build()?.block_on(ztnode::node::run_proxy(
-                p.config,
+                source,
                 cfg,
                 p.zds_socket,
                 runtime::shutdown_signal(),
@@ -322,10 +326,12 @@ fn run(cmd: Cmd) -> anyhow::Result<i32> {
             runtime::init_tracing();
             runtime::raise_nofile_limit();
             let kube = kube_mode(&agent)?;
-            let mut proxy = proxy_config(&proxy, &mesh, &agent.dirs.run_dir);
+            let env = istio_env(&config)?;
+            let mut proxy = proxy_config(&proxy, &mesh, &agent.dirs.run_dir, &env);
             proxy.identity_from_handoff |= kube.is_some();
             let cfg = ztnode::node::NodeConfig {
-                config: local_config(config, &kube)?,
+                source: workload_source(config, &env, &kube)?,
+                node_name: Some(env.node_name.clone()).filter(|n| !n.is_empty()),
                 agent: agent_config(&agent, &mesh, &kube)?,
                 kube,
                 proxy,
@@ -414,6 +420,26 @@ fn plugin_kube(k: &KubeMode) -> anyhow::Result<PluginKube> {
     })
 }
 
+/// Where the proxy's workloads come from: istiod (`XDS_ADDRESS`), else the local config, which
+/// standalone mode requires.
+fn workload_source(
+    config: Option<PathBuf>,
+    env: &IstioEnv,
+    kube: &Option<KubeMode>,
+) -> anyhow::Result<ztnode::node::WorkloadSource> {
+    use ztnode::node::WorkloadSource;
+    if let Some(xds) = XdsConfig::from_env(env) {
+        return Ok(WorkloadSource::Xds(Box::new(xds)));
+    }
+    match config {
+        Some(c) => Ok(WorkloadSource::LocalConfig(c)),
+        None if kube.is_some() => Ok(WorkloadSource::Empty),
+        None => anyhow::bail!(
+            "no workload source: give a local config (--config, LOCAL_XDS_PATH) or istiod's address (XDS_ADDRESS)"
+        ),
+    }
+}
+
 /// The local config: required in standalone mode.
 fn local_config(
     config: Option<PathBuf>,
@@ -427,13 +453,45 @@ fn local_config(
     Ok(config)
 }
 
-fn proxy_config(p: &ProxyOpts, m: &MeshOpts, run_dir: &std::path::Path) -> ProxyConfig {
-    ProxyConfig {
-        cert_source: ztnode::proxy::CertSource::BuiltIn {
+/// ztunnel's env (istiod's xDS and CA, the node identity); a local config keeps xDS off unless
+/// `XDS_ADDRESS` asks for it, and then both together are refused (one workload source).
+fn istio_env(config: &Option<PathBuf>) -> anyhow::Result<IstioEnv> {
+    let env = IstioEnv::from_vars(std::env::vars(), config.is_some())?;
+    env.warn_unsupported();
+    if let (Some(c), Some(_)) = (config, &env.xds) {
+        anyhow::bail!(
+            "both a local config ({}) and XDS_ADDRESS are set: ztnode takes workloads from one source; unset one",
+            c.display()
+        );
+    }
+    Ok(env)
+}
+
+fn proxy_config(
+    p: &ProxyOpts,
+    m: &MeshOpts,
+    run_dir: &std::path::Path,
+    env: &IstioEnv,
+) -> ProxyConfig {
+    let cert_source = match &env.ca {
+        Some(ca) => CertSource::Istio {
+            endpoint: ca.endpoint.clone(),
+            auth: ca.auth.clone(),
+        },
+        None => CertSource::BuiltIn {
             ca_dir: p.ca_dir.clone().unwrap_or_else(|| run_dir.join("ca")),
         },
-        cert_lifetime: Duration::from_secs(p.cert_lifetime_secs),
-        trust_roots: Vec::new(),
+    };
+    // ztunnel's SECRET_TTL wins over ztnode's seconds flag when set.
+    let cert_lifetime = if std::env::var_os("SECRET_TTL").is_some() {
+        env.secret_ttl
+    } else {
+        Duration::from_secs(p.cert_lifetime_secs)
+    };
+    ProxyConfig {
+        cert_source,
+        cert_lifetime,
+        trust_roots: env.xds.iter().map(|x| x.endpoint.roots.clone()).collect(),
         packet_mark: m.packet_mark,
         admin_addr: p.admin_addr,
         readiness_addr: p.readiness_addr,

@@ -25,6 +25,7 @@ use crate::agent::pods::PodManager;
 use crate::agent::{self, AgentConfig, EnrollmentSource, KubeMode};
 use crate::proxy::manager::ProxyManager;
 use crate::proxy::state::{self, Protocol, StateHandle};
+use crate::proxy::xds::{self, XdsConfig};
 use crate::proxy::{self, ProxyConfig};
 use crate::ready::Readiness;
 use crate::runtime::stopped;
@@ -41,12 +42,26 @@ pub const LOCAL_CONFIG_TASK: &str = "local config";
 /// socket (ztunnel goes unready on disconnect).
 pub const ZDS_CONNECTION_TASK: &str = "ZDS connection";
 
+/// Where the workloads, services and policies come from.
+#[derive(Debug, Clone)]
+pub enum WorkloadSource {
+    /// A local config file (ztunnel `LOCAL_XDS_PATH` format), re-read when it changes.
+    LocalConfig(PathBuf),
+    /// istiod's delta xDS (`XDS_ADDRESS`).
+    Xds(Box<XdsConfig>),
+    /// Nothing (Kubernetes mode without either: pods are served with their handoff identity).
+    Empty,
+}
+
 /// Settings of `ztnode node`: both halves.
 #[derive(Debug, Clone)]
 pub struct NodeConfig {
-    /// Local config file (ztunnel LOCAL_XDS_PATH format), read by both halves; required in
-    /// standalone mode, optional in Kubernetes mode (workloads and policies then start empty).
-    pub config: Option<PathBuf>,
+    /// The workload source of both halves: the proxy's state, and in standalone mode the
+    /// agent's enrollment (an HBONE workload of the pod's namespace and name).
+    pub source: WorkloadSource,
+    /// This node's name (`NODE_NAME`): standalone enrollment then skips workloads the source
+    /// places on another node.
+    pub node_name: Option<String>,
     /// Kubernetes mode (`None`: standalone, pods enrolled by the local config).
     pub kube: Option<KubeMode>,
     /// The agent half.
@@ -68,12 +83,12 @@ pub async fn run(
         cfg.proxy.packet_mark
     );
     let ready = Readiness::new();
-    let state = load_state(cfg.config.as_deref(), &ready)?;
     let (stop_tx, stop_rx) = watch::channel(false);
+    let state = start_state(cfg.source, &ready, &stop_rx)?;
     let proxy = proxy::start(&cfg.proxy, state.clone(), &ready)?;
     let agent = agent::start(
         cfg.agent,
-        enrollment_source(cfg.kube, &state),
+        enrollment_source(cfg.kube, &state, cfg.node_name),
         proxy.link.into(),
         &ready,
         stopped(stop_rx.clone()),
@@ -109,15 +124,16 @@ pub async fn run_agent(
 ) -> anyhow::Result<()> {
     tracing::info!(?cfg, ?config, ?kube, zds_socket = %zds_socket.display(), "starting ztnode agent");
     let ready = Readiness::new();
-    let state = load_state(config.as_deref(), &ready)?;
     let (stop_tx, stop_rx) = watch::channel(false);
+    let source = config.map_or(WorkloadSource::Empty, WorkloadSource::LocalConfig);
+    let state = start_state(source, &ready, &stop_rx)?;
     let zds_server = ZdsServer::new();
     let listener = zds::server::bind(&zds_socket)?;
     let zds_task = tokio::spawn(zds_server.clone().serve(listener, stopped(stop_rx.clone())));
     tracing::info!(socket = %zds_socket.display(), "ZDS socket ready");
     let agent = agent::start(
         cfg,
-        enrollment_source(kube, &state),
+        enrollment_source(kube, &state, None),
         zds_server.into(),
         &ready,
         stopped(stop_rx),
@@ -137,17 +153,15 @@ pub async fn run_agent(
 /// (reconnecting while it is absent). Errors: startup failures, and a ZDS protocol error from the
 /// agent (ztunnel exits then too).
 pub async fn run_proxy(
-    config: Option<PathBuf>,
+    source: WorkloadSource,
     cfg: ProxyConfig,
     zds_socket: PathBuf,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<()> {
-    tracing::info!(?cfg, ?config, zds_socket = %zds_socket.display(), "starting ztnode proxy");
-    let config =
-        config.context("--config (LOCAL_XDS_PATH) is required without istiod (XDS_ADDRESS)")?;
+    tracing::info!(?cfg, ?source, zds_socket = %zds_socket.display(), "starting ztnode proxy");
     let ready = Readiness::new();
-    let state = load_state(Some(&config), &ready)?;
     let (stop_tx, stop_rx) = watch::channel(false);
+    let state = start_state(source, &ready, &stop_rx)?;
     let proxy = proxy::start(&cfg, state.clone(), &ready)?;
     let connection = ready.register(ZDS_CONNECTION_TASK);
     serve_admin(&cfg, state, proxy.manager.clone(), None, ready, stop_rx).await?;
@@ -163,22 +177,31 @@ pub async fn run_proxy(
     res
 }
 
-/// Kubernetes mode when configured, else the local config's policy.
-fn enrollment_source(kube: Option<KubeMode>, state: &StateHandle) -> EnrollmentSource {
+/// Kubernetes mode when configured, else the workload source's policy.
+fn enrollment_source(
+    kube: Option<KubeMode>,
+    state: &StateHandle,
+    node_name: Option<String>,
+) -> EnrollmentSource {
     match kube {
         Some(mode) => EnrollmentSource::Kubernetes(mode),
-        None => EnrollmentSource::Policy(local_config_policy(state.clone())),
+        None => EnrollmentSource::Policy(workload_policy(state.clone(), node_name)),
     }
 }
 
-/// Standalone enrollment: a pod is in the mesh when the local config has an HBONE workload with
-/// its namespace and name, with that workload's service account.
-fn local_config_policy(state: StateHandle) -> Arc<dyn EnrollmentPolicy> {
+/// Standalone enrollment: a pod is in the mesh when the workload source (local config or xDS)
+/// has an HBONE workload with its namespace and name, on this node when both name one, with
+/// that workload's service account.
+fn workload_policy(state: StateHandle, node_name: Option<String>) -> Arc<dyn EnrollmentPolicy> {
     Arc::new(move |ns: &str, name: &str| {
         state
             .load()
             .workload_by_name(ns, name)
             .filter(|w| w.protocol == Protocol::Hbone)
+            .filter(|w| match &node_name {
+                Some(n) if !w.node.is_empty() => &w.node == n,
+                _ => true,
+            })
             .map(|w| WorkloadInfo {
                 name: w.name.clone(),
                 namespace: w.namespace.clone(),
@@ -187,11 +210,27 @@ fn local_config_policy(state: StateHandle) -> Arc<dyn EnrollmentPolicy> {
     })
 }
 
-/// Loads the local config and keeps it fresh (`None`: an empty state).
-fn load_state(config: Option<&Path>, ready: &Readiness) -> anyhow::Result<StateHandle> {
-    let Some(config) = config else {
-        return Ok(StateHandle::new(state::ProxyState::default()));
-    };
+/// The workload state of `source`, kept fresh until `stop`: the local config re-read when it
+/// changes, or the xDS client (whose readiness tasks wait for the first response of each type).
+fn start_state(
+    source: WorkloadSource,
+    ready: &Readiness,
+    stop: &watch::Receiver<bool>,
+) -> anyhow::Result<StateHandle> {
+    match source {
+        WorkloadSource::LocalConfig(path) => load_state(&path, ready),
+        WorkloadSource::Empty => Ok(StateHandle::new(state::ProxyState::default())),
+        WorkloadSource::Xds(cfg) => {
+            let state = StateHandle::new(state::ProxyState::default());
+            tracing::info!(address = %cfg.endpoint.address, node = %cfg.node.id, "workloads from istiod (delta xDS)");
+            tokio::spawn(xds::run(*cfg, state.clone(), ready, stopped(stop.clone())));
+            Ok(state)
+        }
+    }
+}
+
+/// Loads the local config and keeps it fresh.
+fn load_state(config: &Path, ready: &Readiness) -> anyhow::Result<StateHandle> {
     let loaded = ready.register(LOCAL_CONFIG_TASK);
     let state = StateHandle::new(state::load_config_file(config).context("local config")?);
     loaded.done();

@@ -20,5 +20,6 @@ pub fn privileged(test: &str) -> bool {
 pub fn prefix(tag: &str) -> String {
     format!("{tag}{}", std::process::id() % 100_000)
 }
+pub mod istiod;
 pub mod kube;
 pub mod node;
