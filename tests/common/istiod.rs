@@ -56,11 +56,11 @@ pub fn world(a: &str, b: &str, extra: &str) -> String {
     )
 }
 
-fn lab(prefix: &str, subnet: &str, run_dir: &PathBuf) -> Lab {
+fn lab(prefix: &str, subnet: &str, run_dir: &std::path::Path) -> Lab {
     Lab::new(LabOptions {
         prefix: prefix.into(),
         ztnode_binary: Some(env!("CARGO_BIN_EXE_ztnode").into()),
-        run_dir: run_dir.clone(),
+        run_dir: run_dir.to_owned(),
         subnet: subnet.into(),
         cni_version: "1.0.0".into(),
     })
