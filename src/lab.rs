@@ -10,7 +10,7 @@
 pub mod bench;
 pub mod cnichain;
 pub mod demo;
-mod http;
+pub mod http;
 pub mod istiod;
 pub mod kube;
 mod mesh_lab;

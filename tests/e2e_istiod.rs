@@ -83,3 +83,210 @@ fn pods_on_two_nodes_talk_over_hbone_with_certificates_from_istiods_ca() {
         );
     }
 }
+
+/// Echoes every connection on `addr` inside `ns` for the rest of the test process.
+fn serve_echo(ns: &Netns, addr: SocketAddr) {
+    let listener = Lab::listen_in(ns, addr).expect("listen");
+    std::thread::spawn(move || {
+        for s in listener.incoming() {
+            let Ok(mut s) = s else { continue };
+            std::thread::spawn(move || {
+                let mut buf = Vec::new();
+                if s.read_to_end(&mut buf).is_ok() {
+                    let _ = s.write_all(&buf);
+                }
+            });
+        }
+    });
+}
+
+/// One round trip to `to` from `from`: the echo, or `None` when the connection fails or closes
+/// without answering.
+fn try_round_trip(from: &Netns, to: SocketAddr, msg: &[u8]) -> Option<Vec<u8>> {
+    let mut c = Lab::connect_from(from, to).ok()?;
+    c.set_read_timeout(Some(Duration::from_millis(500))).ok()?;
+    c.write_all(msg).ok()?;
+    c.shutdown(std::net::Shutdown::Write).ok()?;
+    let mut back = Vec::new();
+    c.read_to_end(&mut back).ok()?;
+    (!back.is_empty()).then_some(back)
+}
+
+/// Polls `check` every 20 ms until it holds; panics naming `what` after `within`. Returns the time
+/// it took.
+fn within(what: &str, within: Duration, mut check: impl FnMut() -> bool) -> Duration {
+    let start = std::time::Instant::now();
+    while !check() {
+        assert!(start.elapsed() < within, "{what}: not within {within:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    start.elapsed()
+}
+
+/// The workload uids in node `n`'s `/config_dump`.
+fn dumped_uids(n: &common::istiod::IstiodNode) -> Vec<String> {
+    let admin: SocketAddr = "127.0.0.1:15000".parse().expect("addr");
+    let (code, dump) = ztnode::lab::http::request(n.lab.node(), admin, "GET", "/config_dump", None)
+        .expect("config_dump");
+    assert_eq!(code, 200, "{dump}");
+    dump["workloads"]
+        .as_array()
+        .map(|w| {
+            w.iter()
+                .filter_map(|w| w["uid"].as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[test]
+fn pushes_take_effect_within_a_second_and_survive_an_istiod_restart() {
+    if !common::privileged("pushes_take_effect_within_a_second_and_survive_an_istiod_restart") {
+        return;
+    }
+    let t = TwoNodes::start("xp", "", &[]);
+    let server_ns = Netns::open(&t.server.netns_path).expect("server netns");
+    let client_ns = Netns::open(&t.client.netns_path).expect("client netns");
+    serve_echo(&server_ns, SocketAddr::new(t.server.ip, 8080));
+    let app = SocketAddr::new(t.server.ip, 8080);
+    assert_eq!(
+        try_round_trip(&client_ns, app, b"hi").as_deref(),
+        Some(&b"hi"[..])
+    );
+
+    // a service VIP added: the client reaches the server through it
+    let vip: SocketAddr = "10.96.0.50:80".parse().expect("vip");
+    let server_world = |extra: &str| {
+        format!(
+            "{{\"workloads\": [{{\"name\": \"server\", \"namespace\": \"default\", \"serviceAccount\": \"bob\", \
+             \"workloadIps\": [\"10.61.1.2\"], \"protocol\": \"HBONE\", \"node\": \"{}\"{extra}}}]}}",
+            t.a.lab.node_name().trim_end_matches("-node")
+        )
+    };
+    let mut body: serde_json::Value = serde_json::from_str(&server_world(
+        ", \"services\": {\"default/server.default.svc.cluster.local\": {\"80\": 8080}}",
+    ))
+    .expect("json");
+    body["services"] = serde_json::json!([{
+        "name": "server", "namespace": "default",
+        "hostname": "server.default.svc.cluster.local",
+        "vips": ["/10.96.0.50"], "ports": {"80": 8080}
+    }]);
+    t.istiod
+        .ok("POST", "/apply", Some(&body))
+        .expect("apply service");
+    let took = within("VIP reachable", Duration::from_secs(1), || {
+        try_round_trip(&client_ns, vip, b"vip").is_some()
+    });
+    eprintln!("service VIP in effect after {took:?}");
+
+    // a DENY policy added: new connections from alice are refused
+    let deny = serde_json::json!({"policies": [{
+        "name": "deny-alice", "namespace": "default", "scope": "Namespace", "action": "Deny",
+        "rules": [[[{"principals": [{"Exact": "cluster.local/ns/default/sa/alice"}]}]]]
+    }]});
+    t.istiod
+        .ok("POST", "/apply", Some(&deny))
+        .expect("apply policy");
+    let took = within("DENY in effect", Duration::from_secs(1), || {
+        try_round_trip(&client_ns, app, b"x").is_none()
+    });
+    eprintln!("DENY in effect after {took:?}");
+    t.istiod
+        .ok(
+            "POST",
+            "/delete",
+            Some(&serde_json::json!({"policies": ["default/deny-alice"]})),
+        )
+        .expect("delete policy");
+    within("DENY removed", Duration::from_secs(1), || {
+        try_round_trip(&client_ns, app, b"x").is_some()
+    });
+
+    // a malformed resource is NACKed and the last good state kept
+    let server_uid = "Kubernetes//v1/Pod/default/server";
+    let bad =
+        serde_json::json!({"raw": [{"type": "address", "name": server_uid, "preset": "bad-ip"}]});
+    t.istiod
+        .ok("POST", "/apply", Some(&bad))
+        .expect("apply bad resource");
+    let nack = t
+        .istiod
+        .wait_event("xds_request", Duration::from_secs(5), |e| {
+            e["kind"] == "nack"
+        })
+        .expect("NACK");
+    assert!(
+        nack["error_detail"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains(server_uid)),
+        "{nack}"
+    );
+    assert!(
+        dumped_uids(&t.b).contains(&server_uid.to_owned()),
+        "last good state kept"
+    );
+    assert_eq!(
+        try_round_trip(&client_ns, app, b"still").as_deref(),
+        Some(&b"still"[..])
+    );
+    t.istiod
+        .ok(
+            "POST",
+            "/delete",
+            Some(&serde_json::json!({"raw": [{"type": "address", "name": server_uid}]})),
+        )
+        .expect("drop the bad resource");
+
+    within("every response answered", Duration::from_secs(2), || {
+        unanswered(&t.istiod).is_empty()
+    });
+
+    // istiod restarts: both nodes resync with what they hold, and later pushes still apply
+    let mut t = t;
+    let last_seq = |t: &TwoNodes| {
+        t.istiod
+            .events(None)
+            .expect("events")
+            .iter()
+            .filter_map(|e| e["seq"].as_u64())
+            .max()
+    };
+    let before = last_seq(&t).expect("events before the restart");
+    t.istiod.restart().expect("restart istiod");
+    t.istiod
+        .wait_event("xds_request", Duration::from_secs(10), |e| {
+            e["seq"].as_u64().is_some_and(|s| s > before)
+                && e["kind"] == "initial"
+                && e["initial_resource_versions"]
+                    .as_object()
+                    .is_some_and(|v| v.contains_key(server_uid))
+        })
+        .expect("resync with initial_resource_versions");
+    t.istiod
+        .ok(
+            "POST",
+            "/delete",
+            Some(&serde_json::json!({"workloads": [server_uid]})),
+        )
+        .expect("remove the server workload");
+    within("workload removed on node B", Duration::from_secs(1), || {
+        !dumped_uids(&t.b).contains(&server_uid.to_owned())
+    });
+    within(
+        "every response answered after the restart",
+        Duration::from_secs(2),
+        || unanswered(&t.istiod).is_empty(),
+    );
+}
+
+/// The xDS responses of the fake istiod's log that no request ACKed or NACKed by nonce.
+fn unanswered(istiod: &ztnode::lab::istiod::FakeIstiod) -> Vec<serde_json::Value> {
+    let requests = istiod.events(Some("xds_request")).expect("events");
+    istiod
+        .events(Some("xds_response"))
+        .expect("events")
+        .into_iter()
+        .filter(|r| !requests.iter().any(|q| q["response_nonce"] == r["nonce"]))
+        .collect()
+}
