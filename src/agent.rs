@@ -182,6 +182,9 @@ pub async fn start(
         .await
         .map_err(AgentError::Restore)?;
     let mut uninstall = None;
+    if kube_mode.is_none() {
+        tokio::spawn(retry_pending(pods.clone(), stopped(stop_rx.clone())));
+    }
     if let Some((client, watches, rules, changes, proc_root, probe)) = kube_mode {
         uninstall = Some(UninstallCheck {
             client: client.clone(),
@@ -235,6 +238,34 @@ pub async fn start(
         sock_path,
         uninstall,
     })
+}
+
+/// How often standalone mode retries the pods whose proxy start failed.
+pub const PENDING_RETRY: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Standalone mode: every [`PENDING_RETRY`], hands the pods whose proxy start failed (restored
+/// after a restart while the CA refused their certificate, or their workload was not in the
+/// source yet) to the proxy again, until it takes them, as ztunnel retries its pending workloads;
+/// their rules stay in meanwhile (fail closed). The reconciler does this in Kubernetes mode.
+async fn retry_pending(pods: Arc<PodManager>, shutdown: impl Future<Output = ()>) {
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => return,
+            _ = tokio::time::sleep(PENDING_RETRY) => {}
+        }
+        for pod in pods.enrolled().into_iter().filter(|p| p.pending) {
+            let name = format!("{}/{}", pod.info.namespace, pod.info.name);
+            match pods.retry_proxy(&pod.uid).await {
+                Ok(()) => {
+                    tracing::info!(pod = %name, uid = %pod.uid, "pending pod handed to the proxy")
+                }
+                Err(e) => {
+                    tracing::debug!(pod = %name, uid = %pod.uid, error = %e, "pending pod still refused by the proxy")
+                }
+            }
+        }
+    }
 }
 
 /// Installs the host probe rules in the agent's (host) netns, retrying as istio-cni does.

@@ -290,3 +290,58 @@ fn unanswered(istiod: &ztnode::lab::istiod::FakeIstiod) -> Vec<serde_json::Value
         .filter(|r| !requests.iter().any(|q| q["response_nonce"] == r["nonce"]))
         .collect()
 }
+
+#[test]
+fn a_refused_token_fails_adds_clearly_and_keeps_a_restarted_node_unready() {
+    if !common::privileged("a_refused_token_fails_adds_clearly_and_keeps_a_restarted_node_unready")
+    {
+        return;
+    }
+    let extra = "- name: carol\n  namespace: default\n  serviceAccount: carol\n  workloadIps: [10.61.2.3]\n  protocol: HBONE\n  node: NODE_B\n";
+    let t = TwoNodes::start_with_world("xt", |_, b| extra.replace("NODE_B", b), &[]);
+    let ready: SocketAddr = "127.0.0.1:15021".parse().expect("addr");
+    let status = |n: &common::istiod::IstiodNode| {
+        ztnode::lab::http::request(n.lab.node(), ready, "GET", "/healthz/ready", None)
+            .expect("readiness")
+            .0
+    };
+    within("node B ready", Duration::from_secs(5), || {
+        status(&t.b) == 200
+    });
+    // the token file is re-read on every call: from now on istiod refuses it
+    std::fs::write(t.dir.join("istio-token"), "stolen").expect("token");
+    let err =
+        t.b.lab
+            .add_pod("carol", "default")
+            .expect_err("ADD must fail closed");
+    let msg = err.to_string();
+    assert!(msg.contains("CA refused the token"), "{msg}");
+    let line =
+        t.b.wait_log(&["CA refused the token", "carol"], Duration::from_secs(5));
+    assert!(line.contains("UNAUTHENTICATED"), "{line}");
+    let refused = t
+        .istiod
+        .wait_event("ca_request", Duration::from_secs(5), |e| {
+            e["result"] != "OK"
+        })
+        .expect("the refused CSR");
+    assert_eq!(refused["result"], "UNAUTHENTICATED", "{refused}");
+
+    // a node restarted with the refused token gets neither workloads nor certificates: its
+    // enrolled pod stays captured but unserved, and the node is not ready
+    let mut t = t;
+    t.b.start();
+    t.b.wait_log(
+        &["xds stream failed", "unknown bearer token"],
+        Duration::from_secs(10),
+    );
+    for _ in 0..10 {
+        assert_ne!(status(&t.b), 200, "an enrolled pod without a certificate");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // the token is good again: the retry brings the pod and the node back
+    std::fs::write(t.dir.join("istio-token"), common::istiod::TOKEN).expect("token");
+    within("node B ready again", Duration::from_secs(20), || {
+        status(&t.b) == 200
+    });
+}

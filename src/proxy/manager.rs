@@ -36,7 +36,7 @@ const WORKLOAD_WAIT: Duration = Duration::from_secs(5);
 #[derive(Debug, thiserror::Error)]
 pub enum PodProxyError {
     /// The state has no workload for the pod.
-    #[error("no workload {0}/{1} in the local config")]
+    #[error("no workload {0}/{1} in the workload state (local config or istiod)")]
     UnknownWorkload(String, String),
     /// Sockets in the pod netns failed.
     #[error(transparent)]

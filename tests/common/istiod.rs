@@ -95,10 +95,20 @@ impl TwoNodes {
     /// Builds both nodes; `tag` must be unique per test (≤ 4 chars). `extra_world` is appended
     /// to the world (e.g. `services:` or `policies:`); `istiod_args` go to the fake istiod.
     pub fn start(tag: &str, extra_world: &str, istiod_args: &[&str]) -> TwoNodes {
+        TwoNodes::start_with_world(tag, |_, _| extra_world.to_owned(), istiod_args)
+    }
+
+    /// [`TwoNodes::start`] with the extra world made from the two node names (A, B).
+    pub fn start_with_world(
+        tag: &str,
+        extra_world: impl Fn(&str, &str) -> String,
+        istiod_args: &[&str],
+    ) -> TwoNodes {
         let (pa, pb) = (
             super::prefix(&format!("{tag}a")),
             super::prefix(&format!("{tag}b")),
         );
+        let extra_world = extra_world(&pa, &pb);
         let dir = std::env::temp_dir().join(format!("ztnode-e2e-istiod-{pa}"));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("dir");
@@ -118,7 +128,7 @@ impl TwoNodes {
             FAKE_ISTIOD_SCRIPT.as_ref(),
             &dir.join("istiod"),
             FakeIstiodOptions {
-                world: Some(world(&pa, &pb, extra_world)),
+                world: Some(world(&pa, &pb, &extra_world)),
                 host: IpAddr::V4(LINK_ADDRS.0),
                 port: 0,
                 args,
