@@ -345,3 +345,171 @@ fn a_refused_token_fails_adds_clearly_and_keeps_a_restarted_node_unready() {
         status(&t.b) == 200
     });
 }
+
+/// `ztunnel proxy ztunnel` as Istio's chart runs it: the binary under the name `ztunnel`, the
+/// chart's env (addresses without scheme, `ISTIO_META_CLUSTER_ID`, the pod's own identity, the
+/// token and root at their default paths under the working dir `/` of the container, here a
+/// temp dir), the agent's ZDS socket; workloads and certificates from the fake istiod.
+#[test]
+fn ztunnel_proxy_ztunnel_with_the_charts_env_serves_pods_from_istiod() {
+    if !common::privileged("ztunnel_proxy_ztunnel_with_the_charts_env_serves_pods_from_istiod") {
+        return;
+    }
+    use std::process::{Command, Stdio};
+    use ztnode::lab::istiod::{FAKE_ISTIOD_SCRIPT, FakeIstiod, FakeIstiodOptions};
+    use ztnode::lab::{LabOptions, ProcessGuard};
+
+    let prefix = common::prefix("xz");
+    let dir = std::env::temp_dir().join(format!("ztnode-e2e-ztunnel-{prefix}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    let _dir = RemoveOnDrop(dir.clone());
+    let run_dir = dir.join("run");
+    let lab = Lab::new(LabOptions {
+        prefix: prefix.clone(),
+        ztnode_binary: Some(env!("CARGO_BIN_EXE_ztnode").into()),
+        run_dir: run_dir.clone(),
+        subnet: "10.62.0.0/24".into(),
+        cni_version: "1.0.0".into(),
+    })
+    .expect("lab");
+    let workloads = [
+        ("server", "default", "bob", "10.62.0.2".parse().expect("ip")),
+        (
+            "client",
+            "default",
+            "alice",
+            "10.62.0.3".parse().expect("ip"),
+        ),
+    ];
+    let world = ztnode::lab::local_config(&prefix, &workloads);
+    let istiod = FakeIstiod::start(
+        lab.node_name(),
+        FAKE_ISTIOD_SCRIPT.as_ref(),
+        &dir.join("istiod"),
+        FakeIstiodOptions {
+            world: Some(world.clone()),
+            args: vec![
+                "--token".into(),
+                "chart-token".into(),
+                "--require-cluster-id".into(),
+                "Kubernetes".into(),
+            ],
+            ..Default::default()
+        },
+    )
+    .expect("fake istiod");
+    // the container's `/`: the projected token and istiod's root at ztunnel's default paths
+    let root = dir.join("root");
+    std::fs::create_dir_all(root.join("var/run/secrets/tokens")).expect("dirs");
+    std::fs::create_dir_all(root.join("var/run/secrets/istio")).expect("dirs");
+    std::fs::write(
+        root.join("var/run/secrets/tokens/istio-token"),
+        "chart-token",
+    )
+    .expect("token");
+    std::fs::copy(
+        &istiod.root_cert,
+        root.join("var/run/secrets/istio/root-cert.pem"),
+    )
+    .expect("root");
+
+    // the agent (enrollment from its local config), serving ZDS
+    let config = dir.join("agent-config.yaml");
+    std::fs::write(&config, &world).expect("config");
+    let zds = run_dir.join("ztunnel.sock");
+    let agent_log = dir.join("agent.log");
+    let mut agent = Command::new(env!("CARGO_BIN_EXE_ztnode"));
+    agent
+        .args(["agent", "--no-install", "--config"])
+        .arg(&config)
+        .arg("--run-dir")
+        .arg(&run_dir)
+        .env("ZTUNNEL_UDS_ADDRESS", &zds)
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&agent_log).expect("log"));
+    let _agent = ProcessGuard(lab.spawn_in_node(agent).expect("agent"));
+    common::node::MeshNode::wait_log_in(
+        &agent_log,
+        &["plugin event socket ready"],
+        Duration::from_secs(15),
+    );
+
+    let ztunnel = dir.join("ztunnel");
+    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_ztnode"), &ztunnel).expect("ztunnel name");
+    let proxy_log = dir.join("ztunnel.log");
+    let address = istiod.grpc.to_string();
+    let mut proxy = Command::new(&ztunnel);
+    proxy
+        .args(["proxy", "ztunnel"])
+        .current_dir(&root)
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .envs([
+            ("CA_ADDRESS", address.as_str()),
+            ("XDS_ADDRESS", address.as_str()),
+            ("ISTIO_META_CLUSTER_ID", "Kubernetes"),
+            ("ISTIO_META_ENABLE_HBONE", "true"),
+            ("RUST_LOG", "info"),
+            ("RUST_BACKTRACE", "1"),
+            ("INPOD_ENABLED", "true"),
+            ("TERMINATION_GRACE_PERIOD_SECONDS", "30"),
+            ("POD_NAME", "ztunnel-x1"),
+            ("POD_NAMESPACE", "istio-system"),
+            ("NODE_NAME", prefix.as_str()),
+            ("INSTANCE_IP", "10.62.0.1"),
+            ("SERVICE_ACCOUNT", "ztunnel"),
+        ])
+        .env("INPOD_UDS", &zds)
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&proxy_log).expect("log"));
+    let _proxy = ProcessGuard(lab.spawn_in_node(proxy).expect("ztunnel"));
+    let wait = |needles: &[&str]| {
+        common::node::MeshNode::wait_log_in(&proxy_log, needles, Duration::from_secs(15))
+    };
+    wait(&["snapshot received"]);
+    // a setting ztunnel reads and ztnode does not is named once, not silently dropped
+    wait(&[
+        "not supported by ztnode",
+        "TERMINATION_GRACE_PERIOD_SECONDS",
+    ]);
+
+    let server = lab.add_pod("server", "default").expect("server");
+    let client = lab.add_pod("client", "default").expect("client");
+    let server_ns = Netns::open(&server.netns_path).expect("netns");
+    let client_ns = Netns::open(&client.netns_path).expect("netns");
+    let app = SocketAddr::new(server.ip, 8080);
+    assert_eq!(round_trip(&client_ns, &server_ns, app, b"chart"), b"chart");
+    let line = wait(&["connection complete", "direction=\"inbound\""]);
+    assert!(line.contains(ALICE) && line.contains(BOB), "{line}");
+    let node = istiod
+        .wait_event("xds_node", Duration::from_secs(5), |_| true)
+        .expect("node");
+    assert_eq!(
+        node["node"]["id"],
+        "ztunnel~10.62.0.1~ztunnel-x1.istio-system~istio-system.svc.cluster.local",
+        "{node}"
+    );
+    assert_eq!(
+        node["node"]["metadata"]["NODE_NAME"],
+        prefix.as_str(),
+        "{node}"
+    );
+    assert_eq!(node["node"]["metadata"]["ENABLE_HBONE"], "true", "{node}");
+    let csr = istiod
+        .wait_event("ca_request", Duration::from_secs(5), |e| {
+            e["identity"] == BOB
+        })
+        .expect("CSR");
+    assert_eq!(csr["clusterid"], "Kubernetes", "{csr}");
+    assert_eq!(csr["result"], "OK", "{csr}");
+}
+
+/// Removes a directory when dropped (declared first, so it goes after the processes and the lab).
+struct RemoveOnDrop(std::path::PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
