@@ -513,3 +513,50 @@ impl Drop for RemoveOnDrop {
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }
+
+/// Short-lived certificates signed by an intermediate: leaves rotate at half life while
+/// connections keep being made, and none fails.
+#[test]
+fn short_lived_intermediate_signed_certificates_rotate_without_a_failed_connection() {
+    if !common::privileged(
+        "short_lived_intermediate_signed_certificates_rotate_without_a_failed_connection",
+    ) {
+        return;
+    }
+    let t = TwoNodes::start_with_env(
+        "xr",
+        |_, _| String::new(),
+        &["--intermediate"],
+        &[("SECRET_TTL", "4s")],
+    );
+    let server_ns = Netns::open(&t.server.netns_path).expect("server netns");
+    let client_ns = Netns::open(&t.client.netns_path).expect("client netns");
+    let app = SocketAddr::new(t.server.ip, 8080);
+    serve_echo(&server_ns, app);
+    let start = std::time::Instant::now();
+    let mut made = 0;
+    while start.elapsed() < Duration::from_secs(9) {
+        assert_eq!(
+            try_round_trip(&client_ns, app, b"rotate").as_deref(),
+            Some(&b"rotate"[..]),
+            "connection {made} failed after {:?}",
+            start.elapsed()
+        );
+        made += 1;
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let issued = |id: &str| {
+        t.istiod
+            .events(Some("ca_request"))
+            .expect("events")
+            .iter()
+            .filter(|e| e["identity"] == id && e["result"] == "OK")
+            .inspect(|e| assert_eq!(e["chain_len"], 3, "leaf, intermediate, root: {e}"))
+            .count()
+    };
+    // 4 s leaves refresh every 2 s: 9 s of traffic sees at least 3 more per identity
+    for id in [ALICE, BOB] {
+        assert!(issued(id) >= 4, "{id}: {} certificates", issued(id));
+    }
+    assert!(made > 50, "{made} connections");
+}

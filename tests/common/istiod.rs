@@ -104,6 +104,16 @@ impl TwoNodes {
         extra_world: impl Fn(&str, &str) -> String,
         istiod_args: &[&str],
     ) -> TwoNodes {
+        TwoNodes::start_with_env(tag, extra_world, istiod_args, &[])
+    }
+
+    /// [`TwoNodes::start_with_world`] with `extra_env` added to both nodes' env.
+    pub fn start_with_env(
+        tag: &str,
+        extra_world: impl Fn(&str, &str) -> String,
+        istiod_args: &[&str],
+        extra_env: &[(&str, &str)],
+    ) -> TwoNodes {
         let (pa, pb) = (
             super::prefix(&format!("{tag}a")),
             super::prefix(&format!("{tag}b")),
@@ -152,6 +162,11 @@ impl TwoNodes {
             ]
             .into_iter()
             .map(|(k, v)| (k.to_owned(), v))
+            .chain(
+                extra_env
+                    .iter()
+                    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned())),
+            )
             .collect()
         };
         let mut a = IstiodNode {
