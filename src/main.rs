@@ -456,7 +456,7 @@ fn local_config(
 /// ztunnel's env (istiod's xDS and CA, the node identity); a local config keeps xDS off unless
 /// `XDS_ADDRESS` asks for it, and then both together are refused (one workload source).
 fn istio_env(config: &Option<PathBuf>) -> anyhow::Result<IstioEnv> {
-    let env = IstioEnv::from_vars(std::env::vars(), config.is_some())?;
+    let env = IstioEnv::from_vars(std::env::vars())?;
     env.warn_unsupported();
     if let (Some(c), Some(_)) = (config, &env.xds) {
         anyhow::bail!(

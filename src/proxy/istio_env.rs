@@ -4,9 +4,9 @@
 //! [`IstioEnv::from_vars`].
 //!
 //! Defaults follow ztunnel (`src/config.rs`) with one difference: xDS is on only when
-//! `XDS_ADDRESS` is set (not empty), or when the process runs in a cluster
-//! (`KUBERNETES_SERVICE_HOST`) without a local config; standalone mode keeps working without a
-//! control plane. Names ztunnel reads but ztnode does not implement are reported by
+//! `XDS_ADDRESS` is set (not empty), as Istio's chart always sets it. ztunnel would dial
+//! `istiod.istio-system.svc:15012` in any cluster; ztnode's Kubernetes mode without istiod (pods
+//! served with their handoff identities) and standalone mode keep working without a control plane. Names ztunnel reads but ztnode does not implement are reported by
 //! [`IstioEnv::unsupported`] so the caller can warn once.
 
 use std::collections::BTreeMap;
@@ -16,8 +16,6 @@ use std::time::Duration;
 use super::control::{CallAuth, ControlEndpoint, ControlError, RootSource};
 use super::identity::{DEFAULT_CERT_LIFETIME, DEFAULT_TRUST_DOMAIN};
 
-/// istiod's address in a cluster (ztunnel's default when `KUBERNETES_SERVICE_HOST` is set).
-pub const IN_CLUSTER_ISTIOD: &str = "https://istiod.istio-system.svc:15012";
 /// Default bearer token file (ztunnel `AUTH_TOKEN` default, relative to the working dir `/`).
 pub const DEFAULT_TOKEN_FILE: &str = "./var/run/secrets/tokens/istio-token";
 /// Default control-plane root (ztunnel `XDS_ROOT_CA` / `CA_ROOT_CA` default).
@@ -133,15 +131,12 @@ pub struct IstioEnv {
 }
 
 impl IstioEnv {
-    /// Reads the env from `vars` (e.g. `std::env::vars()`); `has_local_config` says whether a
-    /// local config (`--config` / `LOCAL_XDS_PATH`) was given, which keeps xDS off unless
-    /// `XDS_ADDRESS` asks for it.
+    /// Reads the env from `vars` (e.g. `std::env::vars()`).
     ///
     /// # Errors
     /// Unparsable durations, booleans or addresses ([`EnvError`]).
     pub fn from_vars(
         vars: impl IntoIterator<Item = (String, String)>,
-        has_local_config: bool,
     ) -> Result<IstioEnv, EnvError> {
         let vars: BTreeMap<String, String> = vars.into_iter().collect();
         let get = |k: &str| vars.get(k).map(String::as_str);
@@ -169,14 +164,9 @@ impl IstioEnv {
             })?,
         };
         let fake_ca = boolean("FAKE_CA")?;
-        let xds_address = match get("XDS_ADDRESS") {
-            Some("") => None,
-            Some(a) => Some(a.to_owned()),
-            None if !has_local_config && get("KUBERNETES_SERVICE_HOST").is_some() => {
-                Some(IN_CLUSTER_ISTIOD.to_owned())
-            }
-            None => None,
-        };
+        let xds_address = get("XDS_ADDRESS")
+            .filter(|a| !a.is_empty())
+            .map(str::to_owned);
         let token_file = PathBuf::from(get("AUTH_TOKEN").unwrap_or(DEFAULT_TOKEN_FILE));
         let service = |name: &'static str,
                        address: &str,
@@ -328,12 +318,11 @@ pub fn parse_duration(s: &str) -> Option<Duration> {
 mod tests {
     use super::*;
 
-    fn env(pairs: &[(&str, &str)], local: bool) -> Result<IstioEnv, EnvError> {
+    fn env(pairs: &[(&str, &str)]) -> Result<IstioEnv, EnvError> {
         IstioEnv::from_vars(
             pairs
                 .iter()
                 .map(|(k, v)| ((*k).to_owned(), (*v).to_owned())),
-            local,
         )
     }
 
@@ -351,21 +340,18 @@ mod tests {
 
     #[test]
     fn the_charts_env_turns_on_xds_and_the_ca_with_https_added() {
-        let e = env(
-            &[
-                ("XDS_ADDRESS", "istiod.istio-system.svc:15012"),
-                ("CA_ROOT_CA", "/ca/root.pem"),
-                ("ISTIO_META_CLUSTER_ID", "c1"),
-                ("CLUSTER_ID", "ignored"),
-                ("SECRET_TTL", "60s"),
-                ("NODE_NAME", "node-1"),
-                ("POD_NAME", "ztunnel-abc"),
-                ("POD_NAMESPACE", "istio-system"),
-                ("INSTANCE_IP", "10.0.0.5"),
-                ("XDS_HEADER_X_TENANT", "t1"),
-            ],
-            false,
-        )
+        let e = env(&[
+            ("XDS_ADDRESS", "istiod.istio-system.svc:15012"),
+            ("CA_ROOT_CA", "/ca/root.pem"),
+            ("ISTIO_META_CLUSTER_ID", "c1"),
+            ("CLUSTER_ID", "ignored"),
+            ("SECRET_TTL", "60s"),
+            ("NODE_NAME", "node-1"),
+            ("POD_NAME", "ztunnel-abc"),
+            ("POD_NAMESPACE", "istio-system"),
+            ("INSTANCE_IP", "10.0.0.5"),
+            ("XDS_HEADER_X_TENANT", "t1"),
+        ])
         .expect("env");
         let xds = e.xds.expect("xds on");
         assert_eq!(
@@ -399,51 +385,40 @@ mod tests {
     }
 
     #[test]
-    fn standalone_stays_standalone_and_in_cluster_defaults_to_istiod() {
-        let e = env(&[], true).expect("env");
+    fn xds_is_on_only_with_an_xds_address() {
+        let e = env(&[]).expect("env");
         assert!(e.xds.is_none() && e.ca.is_none());
         assert_eq!(e.cluster_id, DEFAULT_CLUSTER_ID);
         assert_eq!(e.secret_ttl, DEFAULT_CERT_LIFETIME);
-        let e = env(&[("KUBERNETES_SERVICE_HOST", "10.96.0.1")], true).expect("env");
-        assert!(e.xds.is_none(), "a local config keeps xDS off in a cluster");
-        let e = env(&[("KUBERNETES_SERVICE_HOST", "10.96.0.1")], false).expect("env");
-        assert_eq!(
-            e.xds.expect("xds").endpoint.address.to_string(),
-            "https://istiod.istio-system.svc:15012/"
-        );
-        let e = env(
-            &[("KUBERNETES_SERVICE_HOST", "h"), ("XDS_ADDRESS", "")],
-            false,
-        )
-        .expect("env");
+        let e = env(&[("KUBERNETES_SERVICE_HOST", "10.96.0.1")]).expect("env");
+        assert!(e.xds.is_none(), "no implicit istiod in a cluster");
+        let e = env(&[("XDS_ADDRESS", "")]).expect("env");
         assert!(e.xds.is_none(), "an empty XDS_ADDRESS disables xDS");
-        let e = env(
-            &[("XDS_ADDRESS", "https://127.0.0.1:1"), ("FAKE_CA", "true")],
-            true,
-        )
-        .expect("env");
+        let e = env(&[("XDS_ADDRESS", "https://127.0.0.1:1"), ("FAKE_CA", "true")]).expect("env");
         assert!(
             e.xds.is_some() && e.ca.is_none(),
             "FAKE_CA keeps the built-in CA"
+        );
+        let e = env(&[("XDS_ADDRESS", "127.0.0.1:1"), ("CA_ADDRESS", "")]).expect("env");
+        assert!(
+            e.xds.is_some() && e.ca.is_none(),
+            "an empty CA_ADDRESS disables the CA"
         );
     }
 
     #[test]
     fn bad_values_are_clear_errors_and_unsupported_names_are_listed() {
-        let err = env(&[("SECRET_TTL", "soon")], true).expect_err("bad ttl");
+        let err = env(&[("SECRET_TTL", "soon")]).expect_err("bad ttl");
         assert!(err.to_string().contains("SECRET_TTL=\"soon\""), "{err}");
-        let err = env(&[("FAKE_CA", "yes please")], true).expect_err("bad bool");
+        let err = env(&[("FAKE_CA", "yes please")]).expect_err("bad bool");
         assert!(err.to_string().contains("FAKE_CA"), "{err}");
-        let err = env(&[("XDS_ADDRESS", "http://istiod:15010")], true).expect_err("plaintext");
+        let err = env(&[("XDS_ADDRESS", "http://istiod:15010")]).expect_err("plaintext");
         assert!(err.to_string().contains("XDS_ADDRESS"), "{err}");
-        let e = env(
-            &[
-                ("INPOD_PORT_REUSE", "true"),
-                ("PROXY_MODE", "shared"),
-                ("XDS_ON_DEMAND", "true"),
-            ],
-            true,
-        )
+        let e = env(&[
+            ("INPOD_PORT_REUSE", "true"),
+            ("PROXY_MODE", "shared"),
+            ("XDS_ON_DEMAND", "true"),
+        ])
         .expect("env");
         assert_eq!(e.unsupported().len(), 2, "{:?}", e.unsupported());
         assert_eq!(e.unsupported()[0], "INPOD_PORT_REUSE");

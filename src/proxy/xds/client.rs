@@ -449,11 +449,8 @@ mod tests {
             ("POD_NAMESPACE", "istio-system"),
             ("INSTANCE_IP", "10.0.0.5"),
         ];
-        let env = IstioEnv::from_vars(
-            vars.iter().map(|(k, v)| (k.to_string(), v.to_string())),
-            false,
-        )
-        .expect("env");
+        let env = IstioEnv::from_vars(vars.iter().map(|(k, v)| (k.to_string(), v.to_string())))
+            .expect("env");
         let cfg = XdsConfig::from_env(&env).expect("xds on");
         assert_eq!(
             cfg.node.id,
@@ -462,7 +459,7 @@ mod tests {
         assert_eq!(cfg.node.metadata["CLUSTER_ID"], "c1");
         assert_eq!(cfg.auth.cluster_id, "c1");
         assert_eq!(cfg.backoff, Backoff::default());
-        let off = IstioEnv::from_vars(std::iter::empty(), true).expect("env");
+        let off = IstioEnv::from_vars(std::iter::empty()).expect("env");
         assert!(XdsConfig::from_env(&off).is_none());
     }
 
