@@ -2,11 +2,12 @@
 //!
 //! One binary, several roles chosen by `argv[0]` or subcommand (see `main.rs`):
 //! the CNI plugin ([`plugin`]), the node agent ([`agent`]) and the proxy ([`proxy`]); [`node`]
-//! composes agent and proxy. Shared bottom modules ([`mesh`], [`netns`], [`nft`], [`podevent`],
-//! [`ready`], [`runtime`], [`zds`]) never import a role. The lab ([`lab`]) is the throwaway node
-//! on one machine for `ztnode demo`, `ztnode bench` and the end-to-end tests.
+//! composes agent and proxy. Shared bottom modules ([`backoff`], [`mesh`], [`netns`], [`nft`],
+//! [`podevent`], [`ready`], [`runtime`], [`zds`]) never import a role. The lab ([`lab`]) is the
+//! throwaway node on one machine for `ztnode demo`, `ztnode bench` and the end-to-end tests.
 
 pub mod agent;
+pub mod backoff;
 pub mod lab;
 pub mod mesh;
 pub mod netns;

@@ -19,7 +19,6 @@ use std::time::{Duration, SystemTime};
 
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 
-pub mod backoff;
 pub mod bundle;
 mod ca;
 pub mod caclient;

@@ -25,8 +25,8 @@ pub mod held;
 pub mod proto;
 
 pub use client::{
-    Backoff, DELTA_ADS_PATH, NodeIdentity, NodeParams, XdsClient, XdsConfig, XdsError,
-    readiness_task_name, run,
+    DELTA_ADS_PATH, NodeIdentity, NodeParams, XdsClient, XdsConfig, XdsError, readiness_task_name,
+    run,
 };
 pub use convert::{AddressResource, ConvertError};
 pub use held::{Held, Outcome, ResourceType};

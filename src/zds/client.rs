@@ -10,25 +10,21 @@
 //! Errors: a read, decode or fd error is nacked and the connection is dropped and re-made; a proxy
 //! failure is nacked and the connection kept; a protocol error (Add without `workload_info`, Keep
 //! after the snapshot, a second `SnapshotSent`, an empty request) is nacked and ends [`run`] with the
-//! error, as ztunnel exits. Reconnects back off from 10 ms, doubling, up to 15 s.
+//! error, as ztunnel exits. Reconnects back off from 10 ms, doubling, up to 15 s
+//! ([`ZDS_RECONNECT`]), from the start again once connected.
 
 use std::collections::{BTreeSet, HashSet};
 use std::convert::Infallible;
 use std::future::Future;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 use prost::Message;
 
 use super::packet::{self, Packet, PacketError};
 use super::proto::{self, workload_request::Payload};
 use super::{InProcessSender, WorkloadRequest, ZdsError};
+use crate::backoff::{Backoff, ZDS_RECONNECT};
 use crate::netns::Netns;
-
-/// First reconnect delay.
-pub const BACKOFF_START: Duration = Duration::from_millis(10);
-/// Largest reconnect delay.
-pub const BACKOFF_MAX: Duration = Duration::from_secs(15);
 
 /// Errors of the proxy's ZDS connection.
 #[derive(Debug, thiserror::Error)]
@@ -123,12 +119,12 @@ pub async fn run(
 ) -> Result<(), ClientError> {
     tokio::pin!(shutdown);
     let mut state = SnapshotState::default();
-    let mut delay = BACKOFF_START;
+    let mut backoff = Backoff::new(ZDS_RECONNECT);
     let mut quiet = false;
     loop {
         let Err(e) = tokio::select! {
             _ = &mut shutdown => return Ok(()),
-            r = session(&path, &proxy, &mut state, &mut delay, &mut on_connection) => r,
+            r = session(&path, &proxy, &mut state, &mut backoff, &mut on_connection) => r,
         };
         on_connection(false);
         match e {
@@ -145,9 +141,8 @@ pub async fn run(
         }
         tokio::select! {
             _ = &mut shutdown => return Ok(()),
-            _ = tokio::time::sleep(delay) => {}
+            _ = tokio::time::sleep(backoff.next_delay()) => {}
         }
-        delay = (delay * 2).min(BACKOFF_MAX);
     }
 }
 
@@ -156,7 +151,7 @@ async fn session(
     path: &Path,
     proxy: &InProcessSender,
     state: &mut SnapshotState,
-    delay: &mut Duration,
+    backoff: &mut Backoff,
     on_connection: &mut impl FnMut(bool),
 ) -> Result<Infallible, ClientError> {
     let sock = packet::connect(path)?;
@@ -169,7 +164,7 @@ async fn session(
     .await?;
     tracing::info!(socket = %path.display(), "connected to the node agent");
     on_connection(true);
-    *delay = BACKOFF_START;
+    backoff.reset();
     state.connected();
     loop {
         let res = match sock.recv().await {

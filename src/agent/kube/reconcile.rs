@@ -12,9 +12,10 @@
 //!   behind a fresh ADD does not undo it);
 //!
 //! and the status annotation follows: `enabled`, `pending` or none. A failed step is retried with
-//! exponential backoff per pod (5 ms doubling to 5 s, unlimited, as Istio's work queue); every step
-//! is idempotent. After each complete list of the pods, every pod of the store and of the pod table
-//! is looked at (pods deleted while the agent was down or the watch was broken are cleaned up).
+//! exponential backoff per pod ([`RECONCILE_RETRY`]: 5 ms doubling to 5 s, unlimited, as Istio's
+//! work queue); every step is idempotent. After each complete list of the pods, every pod of the
+//! store and of the pod table is looked at (pods deleted while the agent was down or the watch was
+//! broken are cleaned up).
 //! The readiness task completes once both lists are in and no pod is failing (so every pod that
 //! should be in the mesh is captured before the node reports ready), or [`READY_GRACE`] after the
 //! lists if some pod keeps failing.
@@ -39,14 +40,11 @@ use crate::agent::netns_finder::{
     FindError, FoundNetns, HostNetns, InterfaceAddrCheck, NetnsFinder, PodQuery,
 };
 use crate::agent::pods::{FoundPod, PodError, PodManager};
+use crate::backoff::{Backoff, RECONCILE_RETRY};
 use crate::netns::Netns;
 use crate::ready::Task;
 use crate::zds::WorkloadInfo;
 
-/// First retry delay of a failed pod.
-pub const RETRY_MIN: Duration = Duration::from_millis(5);
-/// Longest retry delay.
-pub const RETRY_MAX: Duration = Duration::from_secs(5);
 /// How long pods that keep failing after the first complete list hold readiness back; after it
 /// the node turns ready with a warning naming them (so one broken pod cannot stall a rollout).
 pub const READY_GRACE: Duration = Duration::from_secs(60);
@@ -108,7 +106,8 @@ const SCAN_REUSE: Duration = Duration::from_secs(2);
 struct Queue {
     order: VecDeque<PodKey>,
     queued: HashSet<PodKey>,
-    retries: HashMap<PodKey, (u32, Instant)>,
+    /// Failing pods: their backoff and when they are retried next.
+    retries: HashMap<PodKey, (Backoff, Instant)>,
 }
 
 impl Queue {
@@ -141,12 +140,12 @@ impl Queue {
     }
 
     fn failed(&mut self, key: PodKey) {
-        let attempt = self.retries.get(&key).map_or(0, |(a, _)| *a);
-        let delay = RETRY_MIN
-            .saturating_mul(2u32.saturating_pow(attempt.min(20)))
-            .min(RETRY_MAX);
-        self.retries
-            .insert(key, (attempt.saturating_add(1), Instant::now() + delay));
+        let now = Instant::now();
+        let (backoff, at) = self
+            .retries
+            .entry(key)
+            .or_insert_with(|| (Backoff::new(RECONCILE_RETRY), now));
+        *at = now + backoff.next_delay();
     }
 
     fn succeeded(&mut self, key: &PodKey) {
@@ -547,11 +546,11 @@ mod tests {
         }
         assert_eq!(delays[0], Duration::from_millis(5));
         assert_eq!(delays[1], Duration::from_millis(10));
-        assert_eq!(delays[10], RETRY_MAX);
-        assert_eq!(delays[11], RETRY_MAX);
+        assert_eq!(delays[10], RECONCILE_RETRY.max());
+        assert_eq!(delays[11], RECONCILE_RETRY.max());
         q.due(start + Duration::from_millis(1));
         assert_eq!(q.pop(), None, "not due yet");
-        q.due(start + RETRY_MAX);
+        q.due(start + RECONCILE_RETRY.max());
         assert_eq!(q.pop(), Some(key.clone()));
         q.succeeded(&key);
         assert_eq!(q.next_retry(), None);

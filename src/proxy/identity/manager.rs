@@ -9,9 +9,9 @@
 //!   background worker and waits for the first certificate; the proxy manager calls it before a
 //!   pod counts as started. [`CertManager::release`] drops the reference; the last one drops the
 //!   certificate and stops the worker (ztunnel forgets an identity when its last workload goes).
-//! - The worker refreshes at `not_before + lifetime / 2`; a failed fetch is retried with
-//!   [`Backoff`] (500 ms ×2, jitter 0.2, max 150 s) while the old certificate stays in use until
-//!   it expires. At most [`MAX_CONCURRENT_CSRS`] fetches run at once.
+//! - The worker refreshes at `not_before + lifetime / 2`; a failed fetch is retried with a
+//!   [`Backoff`] of [`CA_RETRY`] (500 ms ×2, jitter 0.2, max 150 s) while the old certificate
+//!   stays in use until it expires. At most [`MAX_CONCURRENT_CSRS`] fetches run at once.
 //! - Not done: ztunnel's fetch priorities (RealTime > Warmup > Background).
 
 use std::collections::HashMap;
@@ -24,10 +24,10 @@ use rustls::RootCertStore;
 use tokio::sync::{Semaphore, watch};
 use tokio::task::AbortHandle;
 
-use super::backoff::Backoff;
 use super::bundle::{TrustBundle, ca_dir_root};
 use super::caclient::{CaClient, CaClientError, Issued, RemoteCa};
 use super::{Ca, Identity, IdentityError, WorkloadCert};
+use crate::backoff::{Backoff, CA_RETRY};
 use crate::proxy::control::{CallAuth, ControlEndpoint, RootSource};
 
 /// Most certificate fetches in flight at once (ztunnel: 8).
@@ -500,7 +500,7 @@ impl fmt::Debug for CertManager {
 /// The background worker of one identity: fetch, sleep until the refresh time (or the backoff
 /// delay after a failure), repeat. Ends when the manager is gone; aborted on release.
 async fn refresh_loop(mgr: Weak<CertManager>, ca: Arc<dyn RemoteCa>, id: Identity) {
-    let mut backoff = Backoff::new();
+    let mut backoff = Backoff::new(CA_RETRY);
     loop {
         let Some(m) = mgr.upgrade() else { return };
         let permit = m.csr_slots.clone().acquire_owned().await;

@@ -5,18 +5,18 @@
 //! names) carrying the versions held as `initial_resource_versions`; the node goes on the
 //! stream's first request only. Each response is applied by [`Held::apply`], the proxy state is
 //! rebuilt and stored when anything changed, then the ACK or NACK is sent. A failed or closed
-//! stream is retried after a jittered exponential backoff (10 ms doubling to 15 s, reset after a
-//! stream that got a response); what is held survives the reconnect, so the proxy keeps serving
-//! the last good state meanwhile.
+//! stream is retried after a jittered exponential backoff ([`XDS_RECONNECT`]: 10 ms doubling to
+//! 15 s, reset after a stream that got a response); what is held survives the reconnect, so the
+//! proxy keeps serving the last good state meanwhile.
 
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
-use std::time::Duration;
 
 use prost_types::value::Kind;
 
 use super::held::{Held, Outcome, ResourceType};
 use super::proto::{DeltaDiscoveryRequest, DeltaDiscoveryResponse, Node, Struct, Value};
+use crate::backoff::{Backoff, Policy, XDS_RECONNECT};
 use crate::proxy::control::{self, CallAuth, ControlEndpoint, ControlError};
 use crate::proxy::istio_env::IstioEnv;
 use crate::proxy::state::{ProxyState, StateHandle};
@@ -25,10 +25,6 @@ use crate::ready::{Readiness, Task};
 /// gRPC path of the delta ADS stream.
 pub const DELTA_ADS_PATH: &str =
     "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources";
-/// First reconnect delay (ztunnel: 10 ms).
-pub const INITIAL_BACKOFF: Duration = Duration::from_millis(10);
-/// Longest reconnect delay (ztunnel: 15 s).
-pub const MAX_BACKOFF: Duration = Duration::from_secs(15);
 /// Node id IP when no instance IP is known (ztunnel's `INSTANCE_IP` default).
 pub const DEFAULT_INSTANCE_IP: &str = "1.1.1.1";
 /// Cluster id when none is given (ztunnel's `CLUSTER_ID` default).
@@ -43,8 +39,8 @@ pub struct XdsConfig {
     pub auth: CallAuth,
     /// Who we are to istiod.
     pub node: NodeIdentity,
-    /// Reconnect delays.
-    pub backoff: Backoff,
+    /// Reconnect delays ([`XDS_RECONNECT`] unless changed).
+    pub backoff: Policy,
 }
 
 /// The `Node` sent on a stream's first request: id and string metadata.
@@ -74,16 +70,6 @@ pub struct NodeParams {
     pub cluster_id: String,
     /// Extra metadata (`ISTIO_META_*` with the prefix stripped); the keys above win.
     pub proxy_metadata: BTreeMap<String, String>,
-}
-
-/// Jittered exponential reconnect delays: `initial` doubling up to `max`, each delay drawn from
-/// 50-150% of the current step (capped at `max`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Backoff {
-    /// First delay.
-    pub initial: Duration,
-    /// Largest delay.
-    pub max: Duration,
 }
 
 /// Errors of one stream; all lead to a reconnect.
@@ -132,13 +118,13 @@ pub fn run(
 // === impl XdsConfig ===
 
 impl XdsConfig {
-    /// A config with ztunnel's backoff.
+    /// A config with the [`XDS_RECONNECT`] backoff.
     pub fn new(endpoint: ControlEndpoint, auth: CallAuth, node: NodeIdentity) -> XdsConfig {
         XdsConfig {
             endpoint,
             auth,
             node,
-            backoff: Backoff::default(),
+            backoff: XDS_RECONNECT,
         }
     }
 
@@ -224,26 +210,6 @@ impl NodeIdentity {
     }
 }
 
-// === impl Backoff ===
-
-impl Default for Backoff {
-    /// ztunnel's: 10 ms to 15 s.
-    fn default() -> Self {
-        Backoff {
-            initial: INITIAL_BACKOFF,
-            max: MAX_BACKOFF,
-        }
-    }
-}
-
-impl Backoff {
-    /// The delay after step `step` (the un-jittered value), and the next step.
-    fn step(&self, step: Duration) -> (Duration, Duration) {
-        let jittered = step.mul_f64(0.5 + fastrand::f64()).min(self.max);
-        (jittered, step.saturating_mul(2).min(self.max))
-    }
-}
-
 // === impl XdsClient ===
 
 impl XdsClient {
@@ -265,7 +231,7 @@ impl XdsClient {
     /// Streams from istiod, reconnecting with backoff, until `shutdown` resolves.
     pub async fn run(mut self, shutdown: impl Future<Output = ()>) {
         tokio::pin!(shutdown);
-        let mut step = self.cfg.backoff.initial;
+        let mut backoff = Backoff::new(self.cfg.backoff);
         loop {
             let mut got_response = false;
             let result = tokio::select! {
@@ -273,10 +239,9 @@ impl XdsClient {
                 r = self.session(&mut got_response) => r,
             };
             if got_response {
-                step = self.cfg.backoff.initial;
+                backoff.reset();
             }
-            let (delay, next) = self.cfg.backoff.step(step);
-            step = next;
+            let delay = backoff.next_delay();
             let address = self.cfg.endpoint.address.to_string();
             match result {
                 Err(XdsError::Closed) => {
@@ -458,7 +423,7 @@ mod tests {
         );
         assert_eq!(cfg.node.metadata["CLUSTER_ID"], "c1");
         assert_eq!(cfg.auth.cluster_id, "c1");
-        assert_eq!(cfg.backoff, Backoff::default());
+        assert_eq!(cfg.backoff, XDS_RECONNECT);
         let off = IstioEnv::from_vars(std::iter::empty()).expect("env");
         assert!(XdsConfig::from_env(&off).is_none());
     }
@@ -473,27 +438,6 @@ mod tests {
         assert_eq!(error_chain(&e), "cannot read the token /t: refused");
         let status = XdsError::Stream(tonic::Status::unavailable("bye"));
         assert!(error_chain(&status).starts_with("delta ADS stream failed: "));
-    }
-
-    #[test]
-    fn backoff_doubles_from_10ms_to_15s_with_jitter() {
-        let b = Backoff::default();
-        let mut step = b.initial;
-        let mut steps = Vec::new();
-        for _ in 0..16 {
-            let (delay, next) = b.step(step);
-            assert!(
-                delay >= step / 2 && delay <= (step * 3 / 2).min(b.max),
-                "{delay:?} for {step:?}"
-            );
-            steps.push(step);
-            step = next;
-        }
-        assert_eq!(steps[0], Duration::from_millis(10));
-        assert_eq!(steps[1], Duration::from_millis(20));
-        assert_eq!(steps[10], Duration::from_millis(10_240));
-        assert_eq!(steps[11], Duration::from_secs(15));
-        assert_eq!(steps[15], Duration::from_secs(15));
     }
 
     #[test]
