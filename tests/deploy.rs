@@ -3,7 +3,12 @@
 //! field the type does not know fails), and the facts that make the node work hold per platform:
 //! the host CNI dirs each overlay names are mounted and passed to the binary, the RBAC is exactly
 //! the listed verbs, the downward-API env, /host/proc read-only, hostNetwork, the readiness probe.
-//! `checks_catch_broken_manifests` breaks each fact in turn and requires the checks to fail.
+//! Each overlay composes with the istiod component (istiod's xDS and CA, wired as Istio's ztunnel
+//! chart wires ztunnel) and with the standalone one (a local config), each picking the one
+//! workload source as ztnode's own `IstioEnv` decides it, and both together are refused by the
+//! binary. Every env name set is one ztnode's sources read or list as ztunnel's.
+//! `checks_catch_broken_manifests` and the component tests break each fact in turn and require
+//! the checks to fail.
 //!
 //! Needs kubectl (scripts/setup.sh installs it); without it the kubectl tests fail under `CI` and
 //! skip loudly otherwise.
@@ -14,7 +19,8 @@ use anyhow::{Context, Result, ensure};
 
 use checks::{check, check_standalone, pod_spec};
 use mutations::{assert_caught, assert_caught_by};
-use render::{kubectl, parse, render, render_standalone};
+use render::{Rendered, kubectl, parse, render, render_dir, render_with};
+use source::{Source, check_env_names, check_istiod, check_source, process_env, source_names};
 
 #[path = "deploy/checks.rs"]
 mod checks;
@@ -22,6 +28,8 @@ mod checks;
 mod mutations;
 #[path = "deploy/render.rs"]
 mod render;
+#[path = "deploy/source.rs"]
+mod source;
 
 const DEPLOY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy");
 
@@ -90,6 +98,12 @@ const OPENSHIFT: Platform = Platform {
 };
 const PLATFORMS: [&Platform; 5] = [&BASE, &KIND, &K3S, &GKE, &OPENSHIFT];
 
+/// The components, as dirs under deploy/.
+const STANDALONE: &str = "components/standalone";
+const ISTIOD: &str = "components/istiod";
+/// What a user adds to an overlay: nothing, or one component.
+const CHOICES: [&[&str]; 3] = [&[], &[STANDALONE], &[ISTIOD]];
+
 #[test]
 fn base_renders_with_the_facts() -> Result<()> {
     let Some(k) = kubectl("base_renders_with_the_facts") else {
@@ -144,8 +158,10 @@ fn standalone_component_composes_with_every_overlay() -> Result<()> {
     };
     let mut k3s = None;
     for p in PLATFORMS {
-        let mut r = render_standalone(&k, p).with_context(|| format!("{} + standalone", p.dir))?;
+        let mut r =
+            render_with(&k, p, &[STANDALONE]).with_context(|| format!("{} + standalone", p.dir))?;
         check_standalone(&r).with_context(|| format!("{} + standalone", p.dir))?;
+        check_env_names(&r).with_context(|| format!("{} + standalone", p.dir))?;
         if p.dir == K3S.dir {
             k3s = Some(r.clone());
         }
@@ -158,6 +174,143 @@ fn standalone_component_composes_with_every_overlay() -> Result<()> {
         &mutations::standalone(),
         check_standalone,
     )
+}
+
+#[test]
+fn istiod_component_composes_with_every_overlay() -> Result<()> {
+    let Some(k) = kubectl("istiod_component_composes_with_every_overlay") else {
+        return Ok(());
+    };
+    let mut k3s = None;
+    for p in PLATFORMS {
+        let what = || format!("{} + istiod", p.dir);
+        let overlay = render(&k, p)?;
+        let r = render_with(&k, p, &[ISTIOD]).with_context(what)?;
+        check_istiod(&r, &overlay).with_context(what)?;
+        // Everything else is the overlay's own rendering.
+        check(&r, p).with_context(what)?;
+        if p.dir == K3S.dir {
+            k3s = Some((r, overlay));
+        }
+    }
+    let (r, overlay) = k3s.context("k3s rendering")?;
+    assert_caught_by(&r, &mutations::istiod(), |r| check_istiod(r, &overlay))
+}
+
+/// An overlay alone has no workload source (Kubernetes mode, the built-in CA), each component
+/// picks one, and with both `ztnode node` refuses to start.
+#[test]
+fn each_component_picks_the_one_workload_source() -> Result<()> {
+    let Some(k) = kubectl("each_component_picks_the_one_workload_source") else {
+        return Ok(());
+    };
+    for p in PLATFORMS {
+        let picks: [(&[&str], Source); 3] = [
+            (&[], Source::Empty),
+            (&[STANDALONE], Source::LocalConfig),
+            (&[ISTIOD], Source::Istiod),
+        ];
+        for (components, want) in picks {
+            let r = render_with(&k, p, components)?;
+            check_source(&r, want).with_context(|| format!("{} + {components:?}", p.dir))?;
+        }
+        for both in [[STANDALONE, ISTIOD], [ISTIOD, STANDALONE]] {
+            let what = || format!("{} + {both:?}", p.dir);
+            let r = render_with(&k, p, &both).with_context(what)?;
+            check_source(&r, Source::Both).with_context(what)?;
+            refused_by_the_binary(&r).with_context(what)?;
+        }
+    }
+    let base = render(&k, &BASE)?;
+    check_env_names(&base)?;
+    assert_caught_by(&base, &mutations::source(), |r| {
+        check_source(r, Source::Empty)
+    })
+}
+
+/// `ztnode node` with the rendering's args and env exits at once, naming both sources. Without
+/// KUBERNETES_SERVICE_HOST it stays out of Kubernetes mode, and it refuses before touching the host.
+fn refused_by_the_binary(r: &Rendered) -> Result<()> {
+    let c = &pod_spec(&r.daemon_sets[0])?.containers[0];
+    let mut env = process_env(c)?;
+    env.remove("KUBERNETES_SERVICE_HOST");
+    let out = Command::new(env!("CARGO_BIN_EXE_ztnode"))
+        .env_clear()
+        .envs(env)
+        .args(c.args.iter().flatten())
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(
+        !out.status.success() && stderr.contains("both a local config"),
+        "ztnode did not refuse a local config with XDS_ADDRESS: {}\n{stderr}",
+        out.status
+    );
+    Ok(())
+}
+
+/// deploy/examples/: each renders as the overlay and component it names, and none is untested.
+#[test]
+fn examples_are_an_overlay_plus_a_component() -> Result<()> {
+    let Some(k) = kubectl("examples_are_an_overlay_plus_a_component") else {
+        return Ok(());
+    };
+    let examples: [(&str, &Platform, &[&str]); 1] = [("kind-istiod", &KIND, &[ISTIOD])];
+    let dir = std::path::Path::new(DEPLOY).join("examples");
+    let mut found = std::fs::read_dir(&dir)?
+        .map(|e| Ok(e?.file_name().to_string_lossy().into_owned()))
+        .collect::<Result<Vec<_>>>()?;
+    found.sort();
+    let listed: Vec<&str> = examples.iter().map(|(n, _, _)| *n).collect();
+    ensure!(
+        found == listed,
+        "deploy/examples has {found:?}, tested {listed:?}"
+    );
+    for (name, p, components) in examples {
+        let r = render_dir(&k, &dir.join(name))?;
+        ensure!(
+            r == render_with(&k, p, components)?,
+            "{name} is not {} + {components:?}",
+            p.dir
+        );
+    }
+    Ok(())
+}
+
+/// The env-name lists come out of ztnode's sources as the checks expect.
+#[test]
+fn env_names_come_from_the_sources() {
+    let n = source_names();
+    for name in [
+        "XDS_ADDRESS",
+        "CA_ADDRESS",
+        "ISTIO_META_CLUSTER_ID",
+        "INSTANCE_IP",
+    ] {
+        assert!(n.read_by_istio_env(name), "{name}");
+    }
+    assert!(n.read_by_istio_env("ISTIO_META_ENABLE_HBONE"), "by prefix");
+    assert!(!n.read_by_istio_env("ISTIO_META_"), "the prefix alone");
+    for name in [
+        "HOST_PROC",
+        "AMBIENT_DNS_CAPTURE",
+        "POD_NAMESPACE",
+        "RUST_LOG",
+    ] {
+        assert!(n.read_by_ztnode(name), "{name}");
+    }
+    for name in [
+        "TERMINATION_GRACE_PERIOD_SECONDS",
+        "CONNECTION_TERMINATION_DEADLINE",
+    ] {
+        assert!(n.ztunnel_ignored(name), "{name}");
+        assert!(!n.read_by_istio_env(name), "{name} is listed, not read");
+    }
+    for name in ["SERVICE_ACCOUNT", "ISTIOD_ADDRESS", "CHAINED_CNI_PLUGIN"] {
+        assert!(
+            !n.read_by_ztnode(name) && !n.ztunnel_ignored(name),
+            "{name}"
+        );
+    }
 }
 
 /// The container's args are flags `ztnode node` has: an unknown one would crash-loop every node.
@@ -176,19 +329,18 @@ fn rendered_args_are_flags_of_the_binary() -> Result<()> {
         Ok(out.status.success())
     };
     for p in PLATFORMS {
-        let r = render(&k, p)?;
-        let args = pod_spec(&r.daemon_sets[0])?.containers[0]
-            .args
-            .clone()
-            .unwrap_or_default();
-        ensure!(accepts(&args)?, "{}: ztnode rejects {args:?}", p.dir);
-        let mut bad = args.clone();
-        bad.push("--no-such-flag".into());
-        ensure!(
-            !accepts(&bad)?,
-            "{}: the check accepts an unknown flag",
-            p.dir
-        );
+        for components in CHOICES {
+            let what = format!("{} + {components:?}", p.dir);
+            let r = render_with(&k, p, components)?;
+            let args = pod_spec(&r.daemon_sets[0])?.containers[0]
+                .args
+                .clone()
+                .unwrap_or_default();
+            ensure!(accepts(&args)?, "{what}: ztnode rejects {args:?}");
+            let mut bad = args.clone();
+            bad.push("--no-such-flag".into());
+            ensure!(!accepts(&bad)?, "{what}: the check accepts an unknown flag");
+        }
     }
     Ok(())
 }
@@ -233,6 +385,9 @@ fn checks_catch_broken_manifests() -> Result<()> {
         return Ok(());
     };
     let base = render(&k, &BASE)?;
+    for p in PLATFORMS {
+        check_env_names(&render(&k, p)?).with_context(|| p.dir)?;
+    }
     assert_caught(&base, &BASE, &mutations::base())?;
     assert_caught(&render(&k, &GKE)?, &GKE, &mutations::gke())?;
     assert_caught(

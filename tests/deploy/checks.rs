@@ -246,7 +246,7 @@ fn host_mount<'a>(
 }
 
 /// The one env var `name` of `c`, as (value, fieldRef path).
-fn env<'a>(c: &'a Container, name: &str) -> Result<(Option<&'a str>, Option<&'a str>)> {
+pub fn env<'a>(c: &'a Container, name: &str) -> Result<(Option<&'a str>, Option<&'a str>)> {
     let vars: Vec<_> = c.env.iter().flatten().filter(|e| e.name == name).collect();
     ensure!(vars.len() == 1, "env {name} set {} times", vars.len());
     let field = vars[0]
@@ -360,7 +360,6 @@ fn check_daemonset(r: &Rendered, p: &Platform) -> Result<()> {
     check_env(c, p)?;
     check_probe(c)?;
     check_security(c, p)?;
-    check_token(pod, c)?;
     Ok(())
 }
 
@@ -529,42 +528,6 @@ fn check_security(c: &Container, p: &Platform) -> Result<()> {
     ensure!(
         selinux == want,
         "seLinuxOptions type {selinux:?}, want {want:?}"
-    );
-    Ok(())
-}
-
-fn check_token(pod: &PodSpec, c: &Container) -> Result<()> {
-    let vol = pod
-        .volumes
-        .iter()
-        .flatten()
-        .find(|v| v.name == "istio-token");
-    let sources = vol
-        .and_then(|v| v.projected.as_ref())
-        .and_then(|p| p.sources.as_ref());
-    let tokens: Vec<_> = sources
-        .iter()
-        .copied()
-        .flatten()
-        .filter_map(|s| s.service_account_token.as_ref())
-        .collect();
-    ensure!(tokens.len() == 1, "projected istio-token volume: {vol:?}");
-    let t = tokens[0];
-    ensure!(
-        t.audience.as_deref() == Some("istio-ca")
-            && t.path == "istio-token"
-            && t.expiration_seconds == Some(43200),
-        "istio-token projection {t:?}"
-    );
-    let at = c
-        .volume_mounts
-        .iter()
-        .flatten()
-        .find(|m| m.name == "istio-token")
-        .map(|m| m.mount_path.as_str());
-    ensure!(
-        at == Some("/var/run/secrets/tokens"),
-        "istio-token mounted at {at:?}"
     );
     Ok(())
 }

@@ -3,7 +3,8 @@
 
 use anyhow::{Context, Result, ensure};
 use k8s_openapi::api::core::v1::{
-    ConfigMap, Container, HTTPGetAction, PodSpec, SELinuxOptions, Volume, VolumeMount,
+    ConfigMap, Container, EnvVar, HTTPGetAction, PodSpec, SELinuxOptions,
+    ServiceAccountTokenProjection, Volume, VolumeMount,
 };
 use k8s_openapi::api::rbac::v1::PolicyRule;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -57,6 +58,43 @@ fn env_field_mut<'a>(r: &'a mut Rendered, name: &str) -> &'a mut String {
         .and_then(|v| v.field_ref.as_mut())
         .expect("fieldRef")
         .field_path
+}
+
+fn env_value_mut<'a>(r: &'a mut Rendered, name: &str) -> &'a mut Option<String> {
+    &mut container_mut(r)
+        .env
+        .iter_mut()
+        .flatten()
+        .find(|e| e.name == name)
+        .expect("env")
+        .value
+}
+
+fn env_remove(r: &mut Rendered, name: &str) {
+    container_mut(r)
+        .env
+        .as_mut()
+        .expect("env")
+        .retain(|e| e.name != name)
+}
+
+fn env_push(r: &mut Rendered, name: &str, value: &str) {
+    container_mut(r).env.as_mut().expect("env").push(EnvVar {
+        name: name.into(),
+        value: Some(value.into()),
+        value_from: None,
+    })
+}
+
+fn token_mut(r: &mut Rendered) -> &mut ServiceAccountTokenProjection {
+    let p = volume_mut(r, "istio-token")
+        .projected
+        .as_mut()
+        .expect("projected");
+    p.sources.as_mut().expect("sources")[0]
+        .service_account_token
+        .as_mut()
+        .expect("token")
 }
 
 fn arg_mut<'a>(r: &'a mut Rendered, flag_name: &str) -> &'a mut String {
@@ -307,14 +345,6 @@ pub fn base() -> Vec<Mutation> {
         ("grace 5 s", |r| {
             pod_mut(r).termination_grace_period_seconds = Some(5)
         }),
-        ("token audience", |r| {
-            let p = volume_mut(r, "istio-token")
-                .projected
-                .as_mut()
-                .expect("projected");
-            let s = &mut p.sources.as_mut().expect("sources")[0];
-            s.service_account_token.as_mut().expect("token").audience = Some("kubernetes".into());
-        }),
         ("DaemonSet in default", |r| {
             r.daemon_sets[0].metadata.namespace = Some("default".into())
         }),
@@ -373,9 +403,6 @@ pub fn base() -> Vec<Mutation> {
                 .as_mut()
                 .expect("hostPath")
                 .type_ = Some("DirectoryOrCreate".into())
-        }),
-        ("token mounted elsewhere", |r| {
-            mount_mut(r, "istio-token").mount_path = "/var/run/secrets/istio-token".into()
         }),
         ("readiness over TLS", |r| {
             probe_get_mut(r).scheme = Some("HTTPS".into())
@@ -502,6 +529,119 @@ pub fn standalone() -> Vec<Mutation> {
             data.insert("local-config.yaml".into(), "workloads: [".into());
         }),
         ("no ConfigMap", |r| r.config_maps.clear()),
+    ];
+    mutations.to_vec()
+}
+
+/// The base's choice of no workload source, broken.
+pub fn source() -> Vec<Mutation> {
+    let mutations: &[Mutation] = &[
+        ("XDS_ADDRESS unset: the in-cluster default istiod", |r| {
+            env_remove(r, "XDS_ADDRESS")
+        }),
+        ("XDS_ADDRESS set", |r| {
+            *env_value_mut(r, "XDS_ADDRESS") = Some("istiod.istio-system.svc:15012".into())
+        }),
+        ("a local config", |r| {
+            env_push(r, "LOCAL_XDS_PATH", "/etc/ztnode/local-config.yaml")
+        }),
+        ("--config", |r| {
+            let args = container_mut(r).args.as_mut().expect("args");
+            args.extend(["--config".into(), "/etc/ztnode/local-config.yaml".into()]);
+        }),
+    ];
+    mutations.to_vec()
+}
+
+/// The istiod component's facts, broken (on the k3s composition).
+pub fn istiod() -> Vec<Mutation> {
+    let mutations: &[Mutation] = &[
+        ("XDS_ADDRESS with a scheme", |r| {
+            *env_value_mut(r, "XDS_ADDRESS") = Some("https://istiod.istio-system.svc:15012".into())
+        }),
+        ("XDS_ADDRESS a revisioned istiod", |r| {
+            *env_value_mut(r, "XDS_ADDRESS") = Some("istiod-canary.istio-system.svc:15012".into())
+        }),
+        ("XDS_ADDRESS empty", |r| {
+            *env_value_mut(r, "XDS_ADDRESS") = Some(String::new())
+        }),
+        ("CA_ADDRESS elsewhere", |r| {
+            *env_value_mut(r, "CA_ADDRESS") = Some("istiod.istio-system.svc:15010".into())
+        }),
+        ("CA_ADDRESS missing", |r| env_remove(r, "CA_ADDRESS")),
+        ("another cluster id", |r| {
+            *env_value_mut(r, "ISTIO_META_CLUSTER_ID") = Some("cluster1".into())
+        }),
+        ("no ENABLE_HBONE", |r| {
+            env_remove(r, "ISTIO_META_ENABLE_HBONE")
+        }),
+        ("INSTANCE_IP the host's", |r| {
+            *env_field_mut(r, "INSTANCE_IP") = "status.hostIP".into()
+        }),
+        ("POD_NAME from spec.nodeName", |r| {
+            *env_field_mut(r, "POD_NAME") = "spec.nodeName".into()
+        }),
+        ("SERVICE_ACCOUNT missing", |r| {
+            env_remove(r, "SERVICE_ACCOUNT")
+        }),
+        ("token audience", |r| {
+            token_mut(r).audience = Some("kubernetes".into())
+        }),
+        ("token for 1 h", |r| {
+            token_mut(r).expiration_seconds = Some(3600)
+        }),
+        ("token file renamed", |r| token_mut(r).path = "token".into()),
+        ("token mounted elsewhere", |r| {
+            mount_mut(r, "istio-token").mount_path = "/var/run/secrets/istio-token".into()
+        }),
+        ("token not mounted", |r| {
+            container_mut(r)
+                .volume_mounts
+                .as_mut()
+                .expect("mounts")
+                .retain(|m| m.name != "istio-token")
+        }),
+        ("AUTH_TOKEN the API token", |r| {
+            env_push(
+                r,
+                "AUTH_TOKEN",
+                "/var/run/secrets/kubernetes.io/serviceaccount/token",
+            )
+        }),
+        ("root from another ConfigMap", |r| {
+            volume_mut(r, "istiod-ca-cert")
+                .config_map
+                .as_mut()
+                .expect("configMap")
+                .name = "istio-root".into()
+        }),
+        ("root mounted elsewhere", |r| {
+            mount_mut(r, "istiod-ca-cert").mount_path = "/etc/istio".into()
+        }),
+        ("XDS_ROOT_CA the system's", |r| {
+            env_push(r, "XDS_ROOT_CA", "SYSTEM")
+        }),
+        ("CA_ROOT_CA the API server's", |r| {
+            env_push(
+                r,
+                "CA_ROOT_CA",
+                "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt",
+            )
+        }),
+        ("no workingDir", |r| container_mut(r).working_dir = None),
+        ("workingDir /tmp", |r| {
+            container_mut(r).working_dir = Some("/tmp".into())
+        }),
+        ("a local config too", |r| {
+            env_push(r, "LOCAL_XDS_PATH", "/etc/ztnode/local-config.yaml")
+        }),
+        ("an env name nothing reads", |r| {
+            env_push(r, "ISTIOD_ADDRESS", "istiod.istio-system.svc:15012")
+        }),
+        ("a ztunnel setting ztnode ignores", |r| {
+            env_push(r, "CONNECTION_TERMINATION_DEADLINE", "5s")
+        }),
+        ("on-demand xDS", |r| env_push(r, "XDS_ON_DEMAND", "true")),
     ];
     mutations.to_vec()
 }

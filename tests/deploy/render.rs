@@ -16,7 +16,7 @@ use serde_json::Value;
 use super::{DEPLOY, Platform};
 
 /// `k8s.cni.cncf.io/v1` NetworkAttachmentDefinition (a Multus CRD, not in k8s-openapi).
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct NetworkAttachmentDefinition {
     api_version: String,
@@ -26,7 +26,7 @@ pub struct NetworkAttachmentDefinition {
     spec: Option<NetworkAttachmentSpec>,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NetworkAttachmentSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -34,7 +34,7 @@ pub struct NetworkAttachmentSpec {
 }
 
 /// One rendering, by kind.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct Rendered {
     pub namespaces: Vec<Namespace>,
     pub service_accounts: Vec<ServiceAccount>,
@@ -72,7 +72,7 @@ pub fn kubectl(test: &str) -> Option<PathBuf> {
     None
 }
 
-fn render_dir(kubectl: &Path, dir: &Path) -> Result<Rendered> {
+pub fn render_dir(kubectl: &Path, dir: &Path) -> Result<Rendered> {
     let out = Command::new(kubectl)
         .arg("kustomize")
         .arg(dir)
@@ -92,8 +92,9 @@ pub fn render(kubectl: &Path, p: &Platform) -> Result<Rendered> {
     render_dir(kubectl, &Path::new(DEPLOY).join(p.dir))
 }
 
-/// Renders `p` with the standalone component added, as the component's comment tells users to.
-pub fn render_standalone(kubectl: &Path, p: &Platform) -> Result<Rendered> {
+/// Renders `p` with `components` (dirs under deploy/, in that order) added, as the components'
+/// comments tell users to: a kustomization of their own naming the overlay and the components.
+pub fn render_with(kubectl: &Path, p: &Platform, components: &[&str]) -> Result<Rendered> {
     let tmp = tempfile::tempdir()?;
     let root = tmp.path().canonicalize()?;
     // kustomize refuses absolute paths for resources and components.
@@ -107,10 +108,14 @@ pub fn render_standalone(kubectl: &Path, p: &Platform) -> Result<Rendered> {
         let from_root = from_root.strip_prefix("/")?;
         Ok(format!("{}{}", "../".repeat(up), from_root.display()))
     };
+    let components = components
+        .iter()
+        .map(|c| rel(c))
+        .collect::<Result<Vec<_>>>()?;
     let kustomization = format!(
         "resources: [{}]\ncomponents: [{}]\n",
         rel(p.dir)?,
-        rel("components/standalone")?
+        components.join(", ")
     );
     std::fs::write(root.join("kustomization.yaml"), kustomization)?;
     render_dir(kubectl, &root)
