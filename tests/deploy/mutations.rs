@@ -536,9 +536,6 @@ pub fn standalone() -> Vec<Mutation> {
 /// The base's choice of no workload source, broken.
 pub fn source() -> Vec<Mutation> {
     let mutations: &[Mutation] = &[
-        ("XDS_ADDRESS unset: the in-cluster default istiod", |r| {
-            env_remove(r, "XDS_ADDRESS")
-        }),
         ("XDS_ADDRESS set", |r| {
             *env_value_mut(r, "XDS_ADDRESS") = Some("istiod.istio-system.svc:15012".into())
         }),

@@ -121,7 +121,7 @@ pub fn workload_source(r: &Rendered) -> Result<(Source, IstioEnv)> {
         .iter()
         .any(|a| a == "--config" || a.starts_with("--config="))
         || env.get("LOCAL_XDS_PATH").is_some_and(|p| !p.is_empty());
-    let ie = IstioEnv::from_vars(env, local)?;
+    let ie = IstioEnv::from_vars(env)?;
     let source = match (local, ie.xds.is_some()) {
         (false, false) => Source::Empty,
         (true, false) => Source::LocalConfig,
