@@ -483,11 +483,9 @@ fn proxy_config(
         },
     };
     // ztunnel's SECRET_TTL wins over ztnode's seconds flag when set.
-    let cert_lifetime = if std::env::var_os("SECRET_TTL").is_some() {
-        env.secret_ttl
-    } else {
-        Duration::from_secs(p.cert_lifetime_secs)
-    };
+    let cert_lifetime = env
+        .secret_ttl
+        .unwrap_or(Duration::from_secs(p.cert_lifetime_secs));
     ProxyConfig {
         cert_source,
         cert_lifetime,

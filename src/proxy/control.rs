@@ -24,6 +24,9 @@ pub const H2_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
 pub const H2_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 /// TCP keepalive idle time (ztunnel: 300 s).
 pub const TCP_KEEPALIVE: Duration = Duration::from_secs(300);
+/// Largest message accepted from the control plane (ztunnel: 200 MiB): istiod sends the whole
+/// first wildcard Address response as one message, over tonic's 4 MiB default in a large mesh.
+pub const MAX_MESSAGE_SIZE: usize = 200 * 1024 * 1024;
 
 /// Where the trust roots for the control plane's server certificate come from.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -48,7 +51,8 @@ pub struct ControlEndpoint {
 }
 
 /// Metadata sent with every control-plane call (spec §4, ztunnel `src/identity/auth.rs`).
-#[derive(Clone, Debug, Default)]
+/// `Debug` shows the header names only, never their values.
+#[derive(Clone, Default)]
 pub struct CallAuth {
     /// File holding the bearer token (`AUTH_TOKEN`); `None` sends no `authorization`.
     pub token_file: Option<PathBuf>,
@@ -216,6 +220,21 @@ impl ControlEndpoint {
 
 // === impl CallAuth ===
 
+impl std::fmt::Debug for CallAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let headers: Vec<String> = self
+            .headers
+            .iter()
+            .map(|(k, _)| format!("{k}: <set>"))
+            .collect();
+        f.debug_struct("CallAuth")
+            .field("token_file", &self.token_file)
+            .field("cluster_id", &self.cluster_id)
+            .field("headers", &headers)
+            .finish()
+    }
+}
+
 impl CallAuth {
     /// Adds `authorization: Bearer <token>` (the file's bytes as they are, re-read now),
     /// `clusterid` and the extra headers to `req`.
@@ -234,10 +253,10 @@ impl CallAuth {
                     path: path.clone(),
                     source,
                 })?;
-            md.insert(
-                "authorization",
-                value("authorization", &format!("Bearer {token}"))?,
-            );
+            let mut bearer = value("authorization", &format!("Bearer {token}"))?;
+            // never indexed by HPACK, hidden from Debug
+            bearer.set_sensitive(true);
+            md.insert("authorization", bearer);
         }
         if !self.cluster_id.is_empty() {
             md.insert("clusterid", value("clusterid", &self.cluster_id)?);
@@ -264,7 +283,7 @@ where
     Req: prost::Message + Send + Sync + 'static,
     Resp: prost::Message + Default + Send + Sync + 'static,
 {
-    let mut grpc = tonic::client::Grpc::new(channel);
+    let mut grpc = tonic::client::Grpc::new(channel).max_decoding_message_size(MAX_MESSAGE_SIZE);
     grpc.ready()
         .await
         .map_err(|e| tonic::Status::unavailable(format!("control plane not ready: {e}")))?;
@@ -290,7 +309,7 @@ where
     Resp: prost::Message + Default + Send + Sync + 'static,
     S: futures::Stream<Item = Req> + Send + 'static,
 {
-    let mut grpc = tonic::client::Grpc::new(channel);
+    let mut grpc = tonic::client::Grpc::new(channel).max_decoding_message_size(MAX_MESSAGE_SIZE);
     grpc.ready()
         .await
         .map_err(|e| tonic::Status::unavailable(format!("control plane not ready: {e}")))?;
@@ -375,6 +394,15 @@ mod tests {
         assert_eq!(
             req.metadata().get("authorization").map(|v| v.to_str().ok()),
             Some(Some("Bearer tok-2"))
+        );
+        assert!(
+            req.metadata()
+                .get("authorization")
+                .is_some_and(|v| v.is_sensitive())
+        );
+        assert!(
+            !format!("{auth:?}").contains("\"v\""),
+            "header values are not in Debug: {auth:?}"
         );
         std::fs::remove_file(&token).expect("rm");
         let mut req = tonic::Request::new(());

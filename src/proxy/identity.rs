@@ -339,6 +339,13 @@ impl WorkloadCert {
         self.not_before <= now && now < self.not_after
     }
 
+    /// Whether the certificate can still be presented at `now`: not yet expired. `not_before` is
+    /// not checked, as ztunnel does not for its own certificates: a CA whose clock runs ahead
+    /// (Istio does not backdate) must not make a fresh certificate unusable.
+    pub fn is_usable_at(&self, now: SystemTime) -> bool {
+        now < self.not_after
+    }
+
     /// The leaf's serial number as lowercase hex with `:` separators, if the leaf parses.
     pub fn serial_hex(&self) -> Option<String> {
         let leaf = self.leaf()?;

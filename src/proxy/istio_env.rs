@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use super::control::{CallAuth, ControlEndpoint, ControlError, RootSource};
-use super::identity::{DEFAULT_CERT_LIFETIME, DEFAULT_TRUST_DOMAIN};
+use super::identity::DEFAULT_TRUST_DOMAIN;
 
 /// Default bearer token file (ztunnel `AUTH_TOKEN` default, relative to the working dir `/`).
 pub const DEFAULT_TOKEN_FILE: &str = "./var/run/secrets/tokens/istio-token";
@@ -63,7 +63,7 @@ const UNSUPPORTED: &[&str] = &[
 #[derive(Debug, thiserror::Error)]
 pub enum EnvError {
     /// A duration (`SECRET_TTL`) does not parse.
-    #[error("{name}={value:?} is not a duration like `24h`, `90m` or `3600s`")]
+    #[error("{name}={value:?} is not a duration of at least 1 s like `24h`, `90m` or `3600s`")]
     Duration {
         /// The env name.
         name: &'static str,
@@ -109,8 +109,9 @@ pub struct IstioEnv {
     pub cluster_id: String,
     /// `TRUST_DOMAIN`, default `cluster.local`.
     pub trust_domain: String,
-    /// `SECRET_TTL`: requested workload certificate lifetime, default 24 h.
-    pub secret_ttl: Duration,
+    /// `SECRET_TTL` when set: the requested workload certificate lifetime (ztunnel's default
+    /// is 24 h, [`DEFAULT_CERT_LIFETIME`](super::identity::DEFAULT_CERT_LIFETIME); ztnode's `--cert-lifetime-secs` applies when unset).
+    pub secret_ttl: Option<Duration>,
     /// `NODE_NAME`.
     pub node_name: String,
     /// `POD_NAME` of the proxy itself.
@@ -157,11 +158,15 @@ impl IstioEnv {
             .unwrap_or(DEFAULT_CLUSTER_ID)
             .to_owned();
         let secret_ttl = match get("SECRET_TTL").filter(|v| !v.is_empty()) {
-            None => DEFAULT_CERT_LIFETIME,
-            Some(v) => parse_duration(v).ok_or_else(|| EnvError::Duration {
-                name: "SECRET_TTL",
-                value: v.to_owned(),
-            })?,
+            None => None,
+            Some(v) => Some(
+                parse_duration(v)
+                    .filter(|d| *d >= Duration::from_secs(1))
+                    .ok_or_else(|| EnvError::Duration {
+                        name: "SECRET_TTL",
+                        value: v.to_owned(),
+                    })?,
+            ),
         };
         let fake_ca = boolean("FAKE_CA")?;
         let xds_address = get("XDS_ADDRESS")
@@ -232,6 +237,11 @@ impl IstioEnv {
             .filter(|n| get(n).is_some())
             .map(|n| (*n).to_owned())
             .collect();
+        unsupported.extend(
+            vars.keys()
+                .filter(|k| k.starts_with("ISTIO_METAJSON_"))
+                .cloned(),
+        );
         let xds_on_demand = boolean("XDS_ON_DEMAND")?;
         if xds_on_demand {
             unsupported.push("XDS_ON_DEMAND (ztnode subscribes to every resource)".into());
@@ -309,7 +319,7 @@ pub fn parse_duration(s: &str) -> Option<Duration> {
             _ => return None,
         };
         rest = &rest[unit_len..];
-        total += Duration::try_from_secs_f64(n * unit).ok()?;
+        total = total.checked_add(Duration::try_from_secs_f64(n * unit).ok()?)?;
     }
     Some(total)
 }
@@ -372,7 +382,7 @@ mod tests {
         );
         assert_eq!(ca.endpoint.roots, RootSource::File("/ca/root.pem".into()));
         assert!(ca.auth.headers.is_empty());
-        assert_eq!(e.secret_ttl, Duration::from_secs(60));
+        assert_eq!(e.secret_ttl, Some(Duration::from_secs(60)));
         assert_eq!(e.cluster_id, "c1");
         assert_eq!(
             e.proxy_metadata.get("CLUSTER_ID").map(String::as_str),
@@ -389,7 +399,10 @@ mod tests {
         let e = env(&[]).expect("env");
         assert!(e.xds.is_none() && e.ca.is_none());
         assert_eq!(e.cluster_id, DEFAULT_CLUSTER_ID);
-        assert_eq!(e.secret_ttl, DEFAULT_CERT_LIFETIME);
+        assert_eq!(
+            e.secret_ttl, None,
+            "unset: ztnode's flag (default 24 h) applies"
+        );
         let e = env(&[("KUBERNETES_SERVICE_HOST", "10.96.0.1")]).expect("env");
         assert!(e.xds.is_none(), "no implicit istiod in a cluster");
         let e = env(&[("XDS_ADDRESS", "")]).expect("env");
@@ -409,6 +422,13 @@ mod tests {
     #[test]
     fn bad_values_are_clear_errors_and_unsupported_names_are_listed() {
         let err = env(&[("SECRET_TTL", "soon")]).expect_err("bad ttl");
+        assert!(env(&[("SECRET_TTL", "500ms")]).is_err(), "below 1 s");
+        assert_eq!(parse_duration("99999999999999999999h"), None, "overflow");
+        assert_eq!(
+            parse_duration("9000000000000000000h9000000000000000000h"),
+            None,
+            "sum overflow"
+        );
         assert!(err.to_string().contains("SECRET_TTL=\"soon\""), "{err}");
         let err = env(&[("FAKE_CA", "yes please")]).expect_err("bad bool");
         assert!(err.to_string().contains("FAKE_CA"), "{err}");

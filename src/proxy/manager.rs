@@ -217,7 +217,6 @@ impl ProxyManager {
         {
             return Ok(());
         }
-        self.del(&uid);
         let known = self
             .ctx
             .state
@@ -231,7 +230,10 @@ impl ProxyManager {
             None => self.wait_for_workload(&info).await?,
         };
         let identity = workload.identity();
+        // the new hold before the old proxy of this uid (another netns) lets go of its own, so a
+        // sandbox recreated with the same identity keeps its certificate
         let hold = CertHold::take(&self.ctx.certs, &identity).await?;
+        self.del(&uid);
         let sockets = PodSockets::new(&netns, self.ctx.mark)?;
         let outbound_l = sockets.listen(OUTBOUND_PORT).await?;
         let inbound_l = sockets.listen(INBOUND_PLAINTEXT_PORT).await?;

@@ -371,19 +371,21 @@ impl ProxyState {
             st.services.push(s);
         }
 
-        let mut policy_owner: HashMap<(&str, &str), usize> = HashMap::new();
+        // (index in the config, index in `st.policies`): a duplicate replaces the earlier one in
+        // place, so the two numberings differ after the first duplicate.
+        let mut policy_owner: HashMap<(&str, &str), (usize, usize)> = HashMap::new();
         for (i, p) in cfg.policies.iter().enumerate() {
             let key = (p.namespace.as_str(), p.name.as_str());
-            if let Some(&j) = policy_owner.get(&key) {
+            if let Some(&(j, at)) = policy_owner.get(&key) {
                 conflict(ConfigError::DuplicatePolicy {
                     key: format!("{}/{}", p.namespace, p.name),
                     first: format!("policies[{j}]"),
                     second: format!("policies[{i}]"),
                 })?;
-                st.policies[j] = Arc::new(p.clone());
+                st.policies[at] = Arc::new(p.clone());
                 continue;
             }
-            policy_owner.insert(key, i);
+            policy_owner.insert(key, (i, st.policies.len()));
             st.policies.push(Arc::new(p.clone()));
         }
         Ok(st)

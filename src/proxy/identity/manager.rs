@@ -144,7 +144,7 @@ impl Entry {
     }
 
     fn valid_at(&self, now: SystemTime) -> Option<Arc<WorkloadCert>> {
-        self.cert.clone().filter(|c| c.is_valid_at(now))
+        self.cert.clone().filter(|c| c.is_usable_at(now))
     }
 
     fn notify(&self) {
@@ -247,7 +247,7 @@ impl CertManager {
             Issuer::Remote(_) => {
                 return match entries.get(id) {
                     Some(e) => match &e.cert {
-                        Some(c) if c.is_valid_at(now) => Ok(c.clone()),
+                        Some(c) if c.is_usable_at(now) => Ok(c.clone()),
                         Some(c) => Err(IdentityError::Expired {
                             identity: id.clone(),
                             not_after: c.not_after,

@@ -296,3 +296,28 @@ fn lenient_build_lets_the_later_duplicate_win_and_reports_it() {
     assert_eq!(policies.len(), 1);
     assert_eq!(policies[0].action, PolicyAction::Deny);
 }
+
+#[test]
+fn lenient_build_replaces_each_duplicate_policy_in_place() {
+    // two duplicate pairs, the second after a distinct policy: [a, a', b, c, b']
+    let cfg = parse_local_config(
+        "policies:\n\
+         - {name: a, namespace: ns, scope: Namespace, action: Allow}\n\
+         - {name: a, namespace: ns, scope: Namespace, action: Deny}\n\
+         - {name: b, namespace: ns, scope: Namespace, action: Allow}\n\
+         - {name: c, namespace: ns, scope: Namespace, action: Deny}\n\
+         - {name: b, namespace: ns, scope: Namespace, action: Deny}\n",
+    )
+    .expect("yaml parses");
+    let (st, conflicts) = ProxyState::from_config_lenient(&cfg);
+    assert_eq!(conflicts.len(), 2, "{conflicts:?}");
+    let got: Vec<_> = st.policies().map(|p| (p.name.as_str(), p.action)).collect();
+    assert_eq!(
+        got,
+        [
+            ("a", PolicyAction::Deny),
+            ("b", PolicyAction::Deny),
+            ("c", PolicyAction::Deny)
+        ]
+    );
+}

@@ -68,7 +68,8 @@ pub struct NodeParams {
     pub node_name: String,
     /// The cluster id (empty: `Kubernetes`).
     pub cluster_id: String,
-    /// Extra metadata (`ISTIO_META_*` with the prefix stripped); the keys above win.
+    /// Extra metadata (`ISTIO_META_*` with the prefix stripped); it wins over the keys above, as
+    /// in ztunnel.
     pub proxy_metadata: BTreeMap<String, String>,
 }
 
@@ -171,16 +172,18 @@ impl NodeIdentity {
         } else {
             &p.cluster_id
         };
-        let mut metadata = p.proxy_metadata.clone();
-        for (k, v) in [
+        let mut metadata: BTreeMap<String, String> = [
             ("NAME", p.pod_name.as_str()),
             ("NAMESPACE", ns.as_str()),
             ("INSTANCE_IPS", ip),
             ("NODE_NAME", p.node_name.as_str()),
             ("CLUSTER_ID", cluster_id),
-        ] {
-            metadata.insert(k.to_owned(), v.to_owned());
-        }
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect();
+        // ztunnel appends the proxy metadata last: an ISTIO_META_* entry wins over a fixed key.
+        metadata.extend(p.proxy_metadata.clone());
         NodeIdentity { id, metadata }
     }
 
@@ -366,7 +369,8 @@ mod tests {
             pod_namespace: "istio-system".into(),
             node_name: "node-1".into(),
             cluster_id: String::new(),
-            proxy_metadata: [("EXTRA", "x"), ("NODE_NAME", "ignored")]
+            // ztunnel appends ISTIO_META_* last: it wins over the fixed keys
+            proxy_metadata: [("EXTRA", "x"), ("NODE_NAME", "from-istio-meta")]
                 .into_iter()
                 .map(|(k, v)| (k.to_owned(), v.to_owned()))
                 .collect(),
@@ -390,14 +394,14 @@ mod tests {
                 ("MORE", "y"),
                 ("NAME", "ztunnel-abc"),
                 ("NAMESPACE", "istio-system"),
-                ("NODE_NAME", "node-1"),
+                ("NODE_NAME", "from-istio-meta"),
             ]
         );
         let proto = node.to_proto();
         let fields = proto.metadata.expect("metadata").fields;
         assert_eq!(
             fields["NODE_NAME"].kind,
-            Some(Kind::StringValue("node-1".into()))
+            Some(Kind::StringValue("from-istio-meta".into()))
         );
         let bare = NodeIdentity::ztunnel(&NodeParams::default());
         assert_eq!(bare.id, "ztunnel~1.1.1.1~.~.svc.cluster.local");

@@ -28,11 +28,13 @@ pub enum ResourceType {
     Authorization,
 }
 
-/// One resource held: the version the server gave it and its converted value.
+/// One resource held: the version the server gave it, its converted value and when it last
+/// changed (the order in which overlapping records win, see [`Held::local_config`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Entry<T> {
     version: String,
     value: T,
+    seq: u64,
 }
 
 /// Everything the client holds, by type and resource name. Kept across reconnects.
@@ -40,6 +42,8 @@ struct Entry<T> {
 pub struct Held {
     addresses: BTreeMap<String, Entry<AddressResource>>,
     policies: BTreeMap<String, Entry<LocalPolicy>>,
+    /// Change counter: the `seq` of the next changed entry.
+    next_seq: u64,
 }
 
 /// The result of one response: the reply to send and what happened.
@@ -152,11 +156,18 @@ impl Held {
         };
         match out.resource_type {
             Some(ResourceType::Address) => {
-                apply_to(&mut self.addresses, resp, &mut out, convert::decode_address);
+                apply_to(
+                    &mut self.addresses,
+                    &mut self.next_seq,
+                    resp,
+                    &mut out,
+                    convert::decode_address,
+                );
             }
             Some(ResourceType::Authorization) => {
                 apply_to(
                     &mut self.policies,
+                    &mut self.next_seq,
                     resp,
                     &mut out,
                     convert::decode_authorization,
@@ -187,16 +198,22 @@ impl Held {
         out
     }
 
-    /// What is held, as a local config: workloads, services and policies in name order.
+    /// What is held, as a local config: workloads, services and policies in the order they last
+    /// changed, so where two records overlap (a pod IP reused before the old pod's removal
+    /// arrived) the most recent one wins, as in ztunnel's store.
     pub fn local_config(&self) -> LocalConfig {
         let mut cfg = LocalConfig::default();
-        for e in self.addresses.values() {
+        let mut addresses: Vec<_> = self.addresses.values().collect();
+        addresses.sort_by_key(|e| e.seq);
+        for e in addresses {
             match &e.value {
                 AddressResource::Workload(w) => cfg.workloads.push(w.as_ref().clone()),
                 AddressResource::Service(s) => cfg.services.push(s.as_ref().clone()),
             }
         }
-        cfg.policies = self.policies.values().map(|e| e.value.clone()).collect();
+        let mut policies: Vec<_> = self.policies.values().collect();
+        policies.sort_by_key(|e| e.seq);
+        cfg.policies = policies.into_iter().map(|e| e.value.clone()).collect();
         cfg
     }
 
@@ -217,6 +234,7 @@ impl Held {
 /// Removals first, then upserts, into `held`; results go to `out`.
 fn apply_to<T: PartialEq>(
     held: &mut BTreeMap<String, Entry<T>>,
+    next_seq: &mut u64,
     resp: &DeltaDiscoveryResponse,
     out: &mut Outcome,
     decode: fn(&[u8]) -> Result<T, ConvertError>,
@@ -234,13 +252,15 @@ fn apply_to<T: PartialEq>(
                 continue;
             }
         };
-        let entry = Entry {
-            version: r.version.clone(),
-            value,
-        };
         match held.get_mut(&r.name) {
-            Some(old) if old.value == entry.value => old.version = entry.version,
+            Some(old) if old.value == value => old.version = r.version.clone(),
             _ => {
+                let entry = Entry {
+                    version: r.version.clone(),
+                    value,
+                    seq: *next_seq,
+                };
+                *next_seq += 1;
                 held.insert(r.name.clone(), entry);
                 out.updated.push(r.name.clone());
             }

@@ -614,7 +614,7 @@ pub mod security {
     }
 }
 
-/// `envoy.config.core.v3.Node` (the fields ztunnel sets).
+/// `Node` (`envoy.service.discovery.v3.Node` in the xds.proto ztunnel ships; the fields ztunnel sets).
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct Node {
     /// `id = 1`.

@@ -123,7 +123,8 @@ fn a_valid_response_is_acked_with_its_nonce_and_applied() {
     assert_eq!(out.updated, ["b", "a", "ns/h"]);
     assert_eq!(
         names(&held.local_config()),
-        (vec!["a".into(), "b".into()], vec!["h".into()], vec![])
+        (vec!["b".into(), "a".into()], vec!["h".into()], vec![]),
+        "in the order they arrived"
     );
 
     // The same values again (new versions): no change, but the versions follow.
@@ -313,4 +314,46 @@ fn wrong_types_and_missing_values_are_rejected() {
     assert_eq!(out.resource_type, None);
     assert!(!out.is_ack());
     assert_eq!(out.reply.response_nonce, "o1");
+}
+
+#[test]
+fn where_records_overlap_the_most_recent_change_wins() {
+    let mut held = Held::new();
+    // "z-old" has the IP first; "a-new" gets the same IP later (the old pod's removal is late)
+    held.apply(&response(
+        ResourceType::Address,
+        "n1",
+        vec![addr("z-old", "1", workload_bytes("z-old", &[10, 0, 0, 9]))],
+        &[],
+    ));
+    held.apply(&response(
+        ResourceType::Address,
+        "n2",
+        vec![addr("a-new", "1", workload_bytes("a-new", &[10, 0, 0, 9]))],
+        &[],
+    ));
+    let (st, conflicts) =
+        crate::proxy::state::ProxyState::from_config_lenient(&held.local_config());
+    assert_eq!(conflicts.len(), 1, "{conflicts:?}");
+    let owner = st
+        .workload_by_ip("10.0.0.9".parse().expect("ip"))
+        .expect("owner");
+    assert_eq!(
+        owner.name, "a-new",
+        "the later record wins, whatever the names' order"
+    );
+    // an unchanged re-send (new version, same value) keeps the order
+    held.apply(&response(
+        ResourceType::Address,
+        "n3",
+        vec![addr("z-old", "2", workload_bytes("z-old", &[10, 0, 0, 9]))],
+        &[],
+    ));
+    let (st, _) = crate::proxy::state::ProxyState::from_config_lenient(&held.local_config());
+    assert_eq!(
+        st.workload_by_ip("10.0.0.9".parse().expect("ip"))
+            .expect("owner")
+            .name,
+        "a-new"
+    );
 }
