@@ -203,7 +203,8 @@ enum Cmd {
         #[arg(long)]
         verbose: bool,
     },
-    /// Measure throughput, latency, connection rate, memory and CNI ADD time against the direct path (root).
+    /// Measure throughput, latency, connection rate, memory and CNI ADD time against the direct path,
+    /// Kubernetes-mode enrollment and xDS push latency (root).
     Bench {
         /// Seconds per path for each throughput and connection-rate figure, taken in up to five
         /// alternating slices of whole seconds (rounded down to a multiple of the slice).
@@ -230,6 +231,15 @@ enum Cmd {
         /// Name prefix of the lab's namespaces (to run benches side by side).
         #[arg(long, default_value = ztnode::lab::bench::DEFAULT_LAB_PREFIX)]
         lab_prefix: String,
+        /// Workloads in the xds section's world (served by the fake istiod).
+        #[arg(long, default_value_t = 1000)]
+        xds_workloads: usize,
+        /// Authorization policies in the xds section's world.
+        #[arg(long, default_value_t = 100)]
+        xds_policies: usize,
+        /// Pushes the xds section times, in each of its two series (ACK, config_dump).
+        #[arg(long, default_value_t = 20)]
+        xds_pushes: usize,
     },
     /// The CNI plugin (same as running as `ztnode-cni`).
     Cni,
@@ -307,9 +317,15 @@ fn run(cmd: Cmd) -> anyhow::Result<i32> {
             hold,
             only,
             lab_prefix,
+            xds_workloads,
+            xds_policies,
+            xds_pushes,
         } => Ok(ztnode::lab::bench::run(ztnode::lab::bench::BenchOptions {
             only,
             lab_prefix,
+            xds_workloads,
+            xds_policies,
+            xds_pushes,
             hold: Duration::from_secs(hold),
             duration: Duration::from_secs(duration),
             round_trips,

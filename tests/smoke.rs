@@ -85,6 +85,12 @@ fn bench_reports_every_figure() {
             "4",
             "--idle-conns",
             "20",
+            "--xds-workloads",
+            "50",
+            "--xds-policies",
+            "5",
+            "--xds-pushes",
+            "6",
         ],
     );
     for want in [
@@ -121,6 +127,20 @@ fn bench_reports_every_figure() {
     for key in ["kube_enroll_running_pods_ms", "kube_cni_add_p50_ms"] {
         assert!(v[key].as_f64().is_some_and(|x| x > 0.0), "{key}: {v}");
     }
+    // istiod (the fake istiod of ../shared/tools too): pushes to their ACK and to config_dump
+    for key in [
+        "xds_initial_sync_ms",
+        "xds_rss_empty_mib",
+        "xds_rss_world_mib",
+        "xds_push_ack_p50_ms",
+        "xds_push_ack_max_ms",
+        "xds_push_config_dump_p50_ms",
+        "xds_config_dump_kib",
+    ] {
+        assert!(v[key].as_f64().is_some_and(|x| x > 0.0), "{key}: {v}");
+    }
+    assert!(v["xds_response_ack_p50_ms"].as_f64().is_some(), "{v}");
+    assert_eq!(v["xds_workloads"].as_u64(), Some(50));
 }
 
 #[test]
@@ -159,5 +179,6 @@ fn bench_only_runs_the_selected_sections() {
         "{v}"
     );
     assert!(v["per_idle_conn_kib"].is_null(), "{v}");
+    assert!(v["xds_push_ack_p50_ms"].is_null(), "{v}");
     assert_eq!(v["cni_add_samples"].as_u64(), Some(0));
 }

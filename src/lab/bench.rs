@@ -6,8 +6,10 @@
 //! throughput of 1 and 8 TCP streams (iperf3), 1 KiB request/response round trips on one connection
 //! (p50/p99), new connection + 1 KiB round trip + close per second, the node process's RSS (idle with 2
 //! and with `pods` enrolled pods, with `idle_conns` open idle connections, after they close), and the
-//! exec time of the `ztnode-cni` plugin in CNI ADD. Prints a table with ratios (ztnode / direct) and
-//! writes the same figures as JSON. Benchmarks are not tests: nothing here asserts a timing.
+//! exec time of the `ztnode-cni` plugin in CNI ADD. Two sections build labs of their own: Kubernetes
+//! mode (`kube`: enrollment of running pods, ADD through the API server) and istiod (`xds`: push to
+//! ACK and to `/config_dump` with a large world, the RSS holding it). Prints a table with ratios
+//! (ztnode / direct) and writes the same figures as JSON. Benchmarks are not tests: nothing here asserts a timing.
 
 mod kube;
 mod measure;
@@ -16,6 +18,7 @@ mod placement;
 mod report;
 mod sections;
 mod setup;
+mod xds;
 
 pub use options::{BenchOptions, DEFAULT_LAB_PREFIX, Section};
 
@@ -40,6 +43,9 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
     let mut figures = Figures::default();
     if opts.wants(Section::Kube) {
         kube::measure(opts, &mut figures)?;
+    }
+    if opts.wants(Section::Xds) {
+        xds::measure(opts, &mut figures)?;
     }
     if !options::MAIN_LAB_SECTIONS.iter().any(|s| opts.wants(*s)) {
         let machine = Machine::read(started);

@@ -1,5 +1,6 @@
-//! A tiny HTTP/1.1 client for the lab's fake servers (API server, istiod control endpoint), which
-//! listen inside a lab namespace: one request per connection, made from inside that namespace.
+//! A tiny HTTP/1.1 client for the lab's fake servers (API server, istiod control endpoint) and a
+//! node's admin endpoint, which listen inside a lab namespace: one request per connection, made
+//! from inside that namespace.
 
 use std::io::{Read, Write};
 use std::net::SocketAddr;
@@ -22,6 +23,34 @@ pub fn request(
     path: &str,
     body: Option<(&str, &Value)>,
 ) -> Result<(u16, Value), LabError> {
+    let payload = body.map(|(c, v)| (c, v.to_string()));
+    let (code, text) = exchange(
+        netns,
+        addr,
+        method,
+        path,
+        payload.as_ref().map(|(c, p)| (*c, p.as_str())),
+    )?;
+    Ok((code, serde_json::from_str(&text).unwrap_or(Value::Null)))
+}
+
+/// `GET path` from inside `netns` to `addr`: the status code and the body as text (for large or
+/// non-JSON answers such as a node's `/config_dump`, searched rather than parsed).
+///
+/// # Errors
+/// As [`request`].
+pub fn get_text(netns: &Netns, addr: SocketAddr, path: &str) -> Result<(u16, String), LabError> {
+    exchange(netns, addr, "GET", path, None)
+}
+
+/// One request (`body` = content type, text); the status code and the (dechunked) body.
+fn exchange(
+    netns: &Netns,
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: Option<(&str, &str)>,
+) -> Result<(u16, String), LabError> {
     let io = |what: &str| {
         let what = format!("{what} {method} {path}");
         move |source| LabError::Io { what, source }
@@ -29,8 +58,7 @@ pub fn request(
     let mut s = Lab::connect_from(netns, addr)?;
     s.set_read_timeout(Some(Duration::from_secs(10)))
         .map_err(io("timeout"))?;
-    let payload = body.map(|(_, v)| v.to_string()).unwrap_or_default();
-    let ctype = body.map(|(c, _)| c).unwrap_or("application/json");
+    let (ctype, payload) = body.unwrap_or(("application/json", ""));
     write!(
         s,
         "{method} {path} HTTP/1.1\r\nHost: fake\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{payload}",
@@ -54,7 +82,7 @@ pub fn request(
     } else {
         rest.to_owned()
     };
-    Ok((code, serde_json::from_str(&body).unwrap_or(Value::Null)))
+    Ok((code, body))
 }
 
 fn dechunk(mut s: &str) -> String {

@@ -15,6 +15,7 @@ use serde_json::json;
 use super::measure;
 use super::options::BenchOptions;
 use super::report::{Figures, Value};
+use super::setup::RemoveOnDrop;
 use crate::lab::kube::{FAKE_APISERVER_SCRIPT, FakeApi, FakeProc};
 use crate::lab::{Lab, LabOptions};
 
@@ -34,15 +35,6 @@ fn add_api_pod(
 ) -> Result<crate::lab::Pod, crate::lab::LabError> {
     api.create_pod("bench", name, &lab.pod_uid(name), node, "bench", json!({}))?;
     lab.add_pod(name, "bench")
-}
-
-/// Removes its directory when dropped.
-struct RemoveOnDrop(PathBuf);
-
-impl Drop for RemoveOnDrop {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 /// The fake API server's script, when it is on this machine.

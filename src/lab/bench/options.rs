@@ -23,6 +23,13 @@ pub struct BenchOptions {
     pub only: Vec<Section>,
     /// Name prefix of the lab's namespaces, bridge and directories ([`DEFAULT_LAB_PREFIX`]).
     pub lab_prefix: String,
+    /// The xDS section's world: workloads istiod serves ([`Section::Xds`]).
+    pub xds_workloads: usize,
+    /// The xDS section's world: authorization policies istiod serves.
+    pub xds_policies: usize,
+    /// Pushes timed by the xDS section in each of its two series (until the ACK, until
+    /// `/config_dump` shows the change).
+    pub xds_pushes: usize,
 }
 
 /// A part of the benchmark that `--only` can select.
@@ -41,9 +48,13 @@ pub enum Section {
     /// Kubernetes mode: enrollment of `--pods` running labelled pods from the node's start, and
     /// the plugin's ADD time when it asks the API server (needs the fake API server).
     Kube,
+    /// Workloads and policies from istiod (the fake istiod's delta xDS): initial sync, time from
+    /// a push to its ACK and to `/config_dump`, and the node's RSS holding the world.
+    Xds,
 }
 
-/// The sections that use the main lab (all but [`Section::Kube`]).
+/// The sections that use the main lab (all but [`Section::Kube`] and [`Section::Xds`], which build
+/// their own).
 pub(super) const MAIN_LAB_SECTIONS: [Section; 5] = [
     Section::Throughput,
     Section::Latency,

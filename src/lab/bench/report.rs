@@ -102,19 +102,26 @@ pub(super) fn print_table(secs: u64, round_trips: usize, machine: &Machine, figu
         "ztnode {}, started {}, cpuidle {}",
         machine.version, machine.started_at, machine.cpuidle
     );
+    // The label column fits the longest label (40 at least).
+    let w = figures
+        .rows
+        .iter()
+        .map(|r| r.name.chars().count())
+        .chain(figures.values.iter().map(|v| v.label.chars().count()))
+        .fold(40, usize::max);
     println!(
-        "{:<40} {:>12} {:>12} {:>10}",
+        "{:<w$} {:>12} {:>12} {:>10}",
         "figure", "direct", "ztnode", "ratio"
     );
     for r in &figures.rows {
         println!(
-            "{:<40} {:>12.2} {:>12.2} {:>9.2}x  {}",
+            "{:<w$} {:>12.2} {:>12.2} {:>9.2}x  {}",
             r.name, r.direct, r.mesh, r.ratio, r.unit
         );
     }
     for v in &figures.values {
         println!(
-            "{:<40} {:>12} {:>12.prec$} {:>10}",
+            "{:<w$} {:>12} {:>12.prec$} {:>10}",
             v.label,
             "",
             v.value,
@@ -139,6 +146,9 @@ pub(super) fn write_json(
         "pods": opts.pods,
         "idle_conns": opts.idle_conns,
         "cni_add_samples": cni_add_samples,
+        "xds_workloads": opts.xds_workloads,
+        "xds_policies": opts.xds_policies,
+        "xds_pushes": opts.xds_pushes,
         "ztnode_version": machine.version,
         "started_at": machine.started_at,
         "cpus": machine.cpus,

@@ -18,6 +18,15 @@ fn pod_ip(index: usize) -> IpAddr {
     IpAddr::from([10, 250, (n / 256) as u8, (n % 256) as u8])
 }
 
+/// Removes its directory when dropped (a section's own lab dir, also on failure).
+pub(super) struct RemoveOnDrop(pub(super) std::path::PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// Checks that the run can start (root, `--pods`, `--lab-prefix`), raises the open-file limit and
 /// deletes the namespaces an interrupted earlier run with the same prefix may have left.
 pub(super) fn preflight(opts: &BenchOptions) -> anyhow::Result<()> {
