@@ -291,9 +291,11 @@ fn gigabyte_transfer_and_200_concurrent_connections() {
     server.join().expect("server");
 }
 
+/// A refused destination looks refused to the app (RST, as without the mesh), not accepted and
+/// then closed cleanly.
 #[test]
-fn destination_without_listener_closes_the_client() {
-    if !common::privileged("destination_without_listener_closes_the_client") {
+fn destination_without_listener_looks_refused_to_the_client() {
+    if !common::privileged("destination_without_listener_looks_refused_to_the_client") {
         return;
     }
     let node = MeshNode::start(&common::prefix("e2c"));
@@ -305,10 +307,34 @@ fn destination_without_listener_closes_the_client() {
     let mut buf = [0u8; 16];
     let r = c.read(&mut buf);
     assert!(
-        matches!(r, Ok(0)) || r.is_err(),
-        "connection must be closed, got {r:?}"
+        r.as_ref()
+            .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
+        "the connection must be reset, got {r:?}"
     );
     node.wait_log(&["connection failed", "503"], Duration::from_secs(5));
+    // a passthrough destination (outside the mesh) that refuses: reset too
+    let mut c = Lab::connect_from(&client_ns, SocketAddr::new(node.outsider.ip, 9998))
+        .expect("connect to local proxy");
+    c.set_read_timeout(Some(Duration::from_secs(15)))
+        .expect("timeout");
+    let r = c.read(&mut buf);
+    assert!(
+        r.as_ref()
+            .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
+        "the passthrough connection must be reset, got {r:?}"
+    );
+    // a client outside the mesh to an enrolled pod's closed port (inbound plaintext, 15006)
+    let outsider_ns = Netns::open(&node.outsider.netns_path).expect("outsider netns");
+    let mut c = Lab::connect_from(&outsider_ns, SocketAddr::new(node.server.ip, 9997))
+        .expect("connect to the server's inbound capture");
+    c.set_read_timeout(Some(Duration::from_secs(15)))
+        .expect("timeout");
+    let r = c.read(&mut buf);
+    assert!(
+        r.as_ref()
+            .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
+        "the inbound plaintext connection must be reset, got {r:?}"
+    );
     let _: IpAddr = node.server.ip;
 }
 

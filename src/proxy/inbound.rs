@@ -301,6 +301,7 @@ async fn plaintext_setup(
         Ok(d) => d,
         Err(e) => {
             tracing::warn!(error = %e, "inbound plaintext without original destination");
+            socket::reset(tcp);
             return None;
         }
     };
@@ -308,12 +309,14 @@ async fn plaintext_setup(
     log.dst_identity = Some(pod.identity.clone());
     if NEVER_TARGET_PORTS.contains(&dst.port()) {
         log.failed(&pod.ctx.metrics, &InboundError::IllegalPort(dst.port()));
+        socket::reset(tcp);
         return None;
     }
     // Only the pod itself is a valid target: never relay to other addresses (no open proxy).
     if !pod.ips.contains(&dst.ip()) {
         let own = pod.ips.first().copied().unwrap_or(dst.ip());
         log.failed(&pod.ctx.metrics, &InboundError::IpMismatch(dst.ip(), own));
+        socket::reset(tcp);
         return None;
     }
     let conn = authz::Connection {
@@ -323,6 +326,7 @@ async fn plaintext_setup(
     };
     if let Err(denied) = authorize(&pod, &conn) {
         log.failed(&pod.ctx.metrics, &InboundError::Policy(denied));
+        socket::reset(tcp);
         return None;
     }
     match pod
@@ -336,6 +340,7 @@ async fn plaintext_setup(
         }
         Err(e) => {
             log.failed(&pod.ctx.metrics, &InboundError::Upstream(e));
+            socket::reset(tcp);
             None
         }
     }

@@ -69,12 +69,13 @@ pub fn handle(
 }
 
 /// Everything before the relay: original destination, routing, the HBONE CONNECT or the
-/// passthrough connect. Failures are logged here (`None`).
+/// passthrough connect. Failures are logged here and the app's connection reset (`None`).
 async fn setup(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) -> Option<Relay> {
     let dst = match crate::proxy::socket::original_dst(&tcp) {
         Ok(d) => d,
         Err(e) => {
             tracing::warn!(error = %OutboundError::OrigDst(e), "outbound connection dropped");
+            crate::proxy::socket::reset(tcp);
             return None;
         }
     };
@@ -85,6 +86,7 @@ async fn setup(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) -> Option
         && (dst.ip().is_loopback() || pod.ips.contains(&dst.ip()))
     {
         log.failed(&pod.ctx.metrics, &OutboundError::SelfCall(dst));
+        crate::proxy::socket::reset(tcp);
         return None;
     }
     let state = pod.ctx.state.load();
@@ -92,6 +94,7 @@ async fn setup(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) -> Option
         Ok(r) => r,
         Err(e) => {
             log.failed(&pod.ctx.metrics, &OutboundError::Route(e));
+            crate::proxy::socket::reset(tcp);
             return None;
         }
     };
@@ -118,6 +121,7 @@ async fn setup(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) -> Option
                 Ok((send, recv)) => Either::Left(copy::relay_h2(tcp, send, recv)),
                 Err(e) => {
                     log.failed(&pod.ctx.metrics, &e);
+                    crate::proxy::socket::reset(tcp);
                     return None;
                 }
             }
@@ -129,6 +133,7 @@ async fn setup(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) -> Option
             }
             Err(e) => {
                 log.failed(&pod.ctx.metrics, &OutboundError::Socket(e));
+                crate::proxy::socket::reset(tcp);
                 return None;
             }
         },

@@ -261,6 +261,17 @@ pub fn canonical(addr: SocketAddr) -> SocketAddr {
     }
 }
 
+/// Ends a connection the proxy could not serve with a TCP RST (SO_LINGER 0), so the client sees
+/// what it would see without the mesh when the destination refuses or is unreachable (a connect
+/// error), not an accepted connection closed cleanly: clients that fall back on a connect error
+/// (another address family, another endpoint) keep working.
+pub fn reset(tcp: tokio::net::TcpStream) {
+    if let Err(e) = socket2::SockRef::from(&tcp).set_linger(Some(std::time::Duration::ZERO)) {
+        tracing::debug!(error = %e, "cannot set SO_LINGER 0; closing normally");
+    }
+    drop(tcp);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
