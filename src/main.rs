@@ -102,11 +102,6 @@ struct ProxyOpts {
     /// Metrics address (`/metrics`).
     #[arg(long, default_value_t = mesh::DEFAULT_METRICS_ADDR)]
     metrics_addr: SocketAddr,
-    /// Serve pods the workload source does not list with the identity the agent handed over
-    /// (on by itself in Kubernetes mode for `ztnode node`; for a separate proxy of a
-    /// Kubernetes-mode agent).
-    #[arg(long)]
-    identity_from_handoff: bool,
 }
 
 /// `ztnode proxy` / `ztunnel`.
@@ -343,8 +338,7 @@ fn run(cmd: Cmd) -> anyhow::Result<i32> {
             runtime::raise_nofile_limit();
             let kube = kube_mode(&agent)?;
             let env = istio_env(&config)?;
-            let mut proxy = proxy_config(&proxy, &mesh, &agent.dirs.run_dir, &env);
-            proxy.identity_from_handoff |= kube.is_some();
+            let proxy = proxy_config(&proxy, &mesh, &agent.dirs.run_dir, &env);
             let cfg = ztnode::node::NodeConfig {
                 source: workload_source(config, &env, &kube)?,
                 node_name: Some(env.node_name.clone()).filter(|n| !n.is_empty()),
@@ -510,7 +504,6 @@ fn proxy_config(
         admin_addr: p.admin_addr,
         readiness_addr: p.readiness_addr,
         metrics_addr: p.metrics_addr,
-        identity_from_handoff: p.identity_from_handoff,
     }
 }
 

@@ -74,9 +74,6 @@ pub struct ProxyConfig {
     pub readiness_addr: SocketAddr,
     /// Metrics listener (`/metrics`), default [`mesh::DEFAULT_METRICS_ADDR`].
     pub metrics_addr: SocketAddr,
-    /// Serve pods the workload state does not list with their handoff identity (Kubernetes
-    /// mode: the agent vouches for them; ztunnel does the same with ZDS `WorkloadInfo`).
-    pub identity_from_handoff: bool,
 }
 
 impl ProxyConfig {
@@ -91,7 +88,6 @@ impl ProxyConfig {
             admin_addr: mesh::DEFAULT_ADMIN_ADDR,
             readiness_addr: mesh::DEFAULT_READINESS_ADDR,
             metrics_addr: mesh::DEFAULT_METRICS_ADDR,
-            identity_from_handoff: false,
         }
     }
 }
@@ -159,7 +155,7 @@ pub fn start(
         certs,
         metrics: Metrics::default(),
         mark: cfg.packet_mark,
-        identity_from_handoff: cfg.identity_from_handoff,
+        local: Default::default(),
     });
     let manager = ProxyManager::new(ctx);
     let (link, rx) = zds::in_process();
@@ -198,7 +194,8 @@ mod tests {
         let state = StateHandle::new(state::ProxyState::default());
         let Proxy { link, .. } = start(&proxy_config(dir.path()), state, &ready).expect("proxy");
         assert_eq!(ready.pending_tasks(), [PROXY_MANAGER_TASK]);
-        // a workload the state does not know fails to start (after the 5 s wait, paused time)
+        // a pod whose netns cannot be entered (here: not a netns at all) fails to start
+        let not_a_netns = std::fs::File::open("/dev/null").expect("/dev/null");
         let add = WorkloadRequest::Add {
             uid: "unknown".into(),
             info: WorkloadInfo {
@@ -206,7 +203,7 @@ mod tests {
                 namespace: "default".into(),
                 service_account: "x".into(),
             },
-            netns: crate::netns::Netns::current().expect("netns"),
+            netns: crate::netns::Netns::from_file(not_a_netns).expect("fd"),
         };
         assert!(link.send(add).await.is_err(), "the Add is nacked");
         link.send(WorkloadRequest::SnapshotSent).await.expect("ack");

@@ -4,7 +4,7 @@
 mod common;
 
 use std::io::{Read, Write};
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use common::node::{MeshNode, answer_once, echo_once};
@@ -300,8 +300,40 @@ fn destination_without_listener_looks_refused_to_the_client() {
     }
     let node = MeshNode::start(&common::prefix("e2c"));
     let client_ns = Netns::open(&node.client.netns_path).expect("client netns");
-    let mut c = Lab::connect_from(&client_ns, SocketAddr::new(node.server.ip, 9999))
-        .expect("connect to local proxy");
+    let outsider_ns = Netns::open(&node.outsider.netns_path).expect("outsider netns");
+    for (ns, to, path) in [
+        // HBONE to a closed port of a mesh pod: the peer answers 503
+        (&client_ns, SocketAddr::new(node.server.ip, 9999), "HBONE"),
+        // passthrough to a destination outside the mesh that refuses
+        (
+            &client_ns,
+            SocketAddr::new(node.outsider.ip, 9998),
+            "passthrough",
+        ),
+        // a client outside the mesh to an enrolled pod's closed port (inbound plaintext, 15006)
+        (
+            &outsider_ns,
+            SocketAddr::new(node.server.ip, 9997),
+            "inbound plaintext",
+        ),
+    ] {
+        assert_reset(ns, to, path);
+    }
+    node.wait_log(&["connection failed", "503"], Duration::from_secs(5));
+}
+
+/// A connection to `to` from `ns` is reset: at connect (when the proxy resets before connect
+/// returns) or at the first read; never a clean end of stream.
+fn assert_reset(ns: &Netns, to: SocketAddr, path: &str) {
+    let mut c = match Lab::connect_from(ns, to) {
+        Ok(c) => c,
+        Err(ztnode::lab::LabError::Io { source, .. })
+            if source.kind() == std::io::ErrorKind::ConnectionReset =>
+        {
+            return;
+        }
+        Err(e) => panic!("{path}: connect: {e}"),
+    };
     c.set_read_timeout(Some(Duration::from_secs(15)))
         .expect("timeout");
     let mut buf = [0u8; 16];
@@ -309,33 +341,8 @@ fn destination_without_listener_looks_refused_to_the_client() {
     assert!(
         r.as_ref()
             .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
-        "the connection must be reset, got {r:?}"
+        "{path}: the connection must be reset, got {r:?}"
     );
-    node.wait_log(&["connection failed", "503"], Duration::from_secs(5));
-    // a passthrough destination (outside the mesh) that refuses: reset too
-    let mut c = Lab::connect_from(&client_ns, SocketAddr::new(node.outsider.ip, 9998))
-        .expect("connect to local proxy");
-    c.set_read_timeout(Some(Duration::from_secs(15)))
-        .expect("timeout");
-    let r = c.read(&mut buf);
-    assert!(
-        r.as_ref()
-            .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
-        "the passthrough connection must be reset, got {r:?}"
-    );
-    // a client outside the mesh to an enrolled pod's closed port (inbound plaintext, 15006)
-    let outsider_ns = Netns::open(&node.outsider.netns_path).expect("outsider netns");
-    let mut c = Lab::connect_from(&outsider_ns, SocketAddr::new(node.server.ip, 9997))
-        .expect("connect to the server's inbound capture");
-    c.set_read_timeout(Some(Duration::from_secs(15)))
-        .expect("timeout");
-    let r = c.read(&mut buf);
-    assert!(
-        r.as_ref()
-            .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
-        "the inbound plaintext connection must be reset, got {r:?}"
-    );
-    let _: IpAddr = node.server.ip;
 }
 
 /// ztunnel's example policy (`examples/localhost.yaml`): in namespace `default`, allow every
@@ -385,14 +392,21 @@ fn authorization_policies_reject_inbound_connections() {
         // plaintext through 15006
         (&outsider_ns, node.outsider.ip, "direction=\"inbound\""),
     ] {
-        let mut c = Lab::connect_from(ns, denied).expect("connect to the capture");
-        c.set_read_timeout(Some(Duration::from_secs(10)))
-            .expect("timeout");
-        let _ = c.write_all(b"denied");
-        let mut back = Vec::new();
-        // closed by the proxy: end of stream or a reset, never data
-        let _ = c.read_to_end(&mut back);
-        assert!(back.is_empty(), "denied connection got data: {back:?}");
+        // refused with a reset: at connect (the proxy may reset before connect returns) or at
+        // the first read; never data
+        match Lab::connect_from(ns, denied) {
+            Ok(mut c) => {
+                c.set_read_timeout(Some(Duration::from_secs(10)))
+                    .expect("timeout");
+                let _ = c.write_all(b"denied");
+                let mut back = Vec::new();
+                let _ = c.read_to_end(&mut back);
+                assert!(back.is_empty(), "denied connection got data: {back:?}");
+            }
+            Err(ztnode::lab::LabError::Io { source, .. })
+                if source.kind() == std::io::ErrorKind::ConnectionReset => {}
+            Err(e) => panic!("connect to the capture: {e}"),
+        }
         node.wait_log(
             &[
                 "direction=\"inbound\"",

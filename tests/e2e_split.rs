@@ -330,3 +330,103 @@ fn agent_and_proxy_as_separate_processes_over_zds() {
         &proxy.log,
     );
 }
+
+/// The proxy's workload source lists the server pod 8 s after its ADD (istiod slow to push it):
+/// the ADD does not wait for it, the server is served at once with the identity its handoff
+/// carries, the client added behind it is not held up, and traffic flows over HBONE, with the
+/// record in place later too.
+#[test]
+fn a_late_workload_record_holds_up_no_add() {
+    if !common::privileged("a_late_workload_record_holds_up_no_add") {
+        return;
+    }
+    let prefix = common::prefix("e2l");
+    let run_dir = std::env::temp_dir().join(format!("ztnode-e2e-run-{prefix}"));
+    let _ = std::fs::remove_dir_all(&run_dir);
+    let _run_dir = RunDir(run_dir.clone());
+    let lab = Lab::new(LabOptions {
+        prefix: prefix.clone(),
+        ztnode_binary: Some(env!("CARGO_BIN_EXE_ztnode").into()),
+        run_dir: run_dir.clone(),
+        subnet: "10.247.0.0/24".into(),
+        cni_version: "1.0.0".into(),
+    })
+    .expect("lab");
+    let server_ip: IpAddr = "10.247.0.2".parse().expect("ip");
+    let client_ip: IpAddr = "10.247.0.3".parse().expect("ip");
+    let both = [
+        ("client", "default", "alice", client_ip),
+        ("server", "default", "bob", server_ip),
+    ];
+    // the agent enrolls both; the proxy's source knows only the client for now
+    let agent_config = lab.dir().join("agent-config.yaml");
+    std::fs::write(&agent_config, lab::local_config(&prefix, &both)).expect("write");
+    let proxy_config = lab.dir().join("proxy-config.yaml");
+    std::fs::write(&proxy_config, lab::local_config(&prefix, &both[..1])).expect("write");
+    let zds = run_dir.join("ztunnel.sock");
+    let agent_log = lab.dir().join("agent.log");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ztnode"));
+    cmd.arg("agent")
+        .arg("--config")
+        .arg(&agent_config)
+        .arg("--run-dir")
+        .arg(&run_dir)
+        .arg("--no-install")
+        .env("ZTUNNEL_UDS_ADDRESS", &zds)
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&agent_log).expect("agent log"));
+    let _agent = ProcessGuard(lab.spawn_in_node(cmd).expect("spawn ztnode agent"));
+    wait_log(
+        &agent_log,
+        &["plugin event socket ready"],
+        Duration::from_secs(15),
+    );
+    let proxy = start_proxy(
+        &lab,
+        &proxy_config,
+        &run_dir,
+        &zds,
+        lab.dir().join("proxy.log"),
+    );
+
+    let started = Instant::now();
+    let server = lab.add_pod("server", "default").expect("server ADD");
+    let client = lab.add_pod("client", "default").expect("client ADD");
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "the ADDs waited for the record: {:?}",
+        started.elapsed()
+    );
+    wait_log(
+        &proxy.log,
+        &["serving it with its handoff identity"],
+        Duration::from_secs(5),
+    );
+    let server_ns = Netns::open(&server.netns_path).expect("server netns");
+    let client_ns = Netns::open(&client.netns_path).expect("client netns");
+    round_trip(
+        &client_ns,
+        &server_ns,
+        SocketAddr::new(server_ip, 8080),
+        client_ip,
+        &proxy.log,
+    );
+
+    // the record arrives 8 s after the ADD: traffic keeps flowing over HBONE
+    let elapsed = started.elapsed();
+    std::thread::sleep(Duration::from_secs(8).saturating_sub(elapsed));
+    std::fs::write(&proxy_config, lab::local_config(&prefix, &both)).expect("write");
+    wait_log(
+        &proxy.log,
+        &["local config reloaded"],
+        Duration::from_secs(5),
+    );
+    round_trip(
+        &client_ns,
+        &server_ns,
+        SocketAddr::new(server_ip, 8081),
+        client_ip,
+        &proxy.log,
+    );
+}

@@ -185,7 +185,7 @@ mod tests {
             certs: CertManager::new(ca, std::time::Duration::from_secs(3600)),
             metrics: Metrics::default(),
             mark: crate::mesh::PacketMark::DEFAULT,
-            identity_from_handoff: false,
+            local: Default::default(),
         });
         let (zds, _rx) = crate::zds::in_process();
         let policy: Arc<dyn crate::agent::enroll::EnrollmentPolicy> =

@@ -251,9 +251,7 @@ async fn stream_setup(
 /// (its `authorizationPolicies` may have changed since the pod started).
 fn authorize(pod: &PodProxy, conn: &authz::Connection<'_>) -> Result<(), authz::Denied> {
     let state = pod.ctx.state.load();
-    let workload = state
-        .workload_by_uid(&pod.workload.uid)
-        .unwrap_or_else(|| pod.workload.clone());
+    let workload = pod.current_workload(&state);
     authz::check(&state, &workload, conn)
 }
 

@@ -29,15 +29,9 @@ use crate::proxy::state::Workload;
 use crate::proxy::{inbound, outbound, tls};
 use crate::zds::{InProcessReceiver, Nack, WorkloadInfo, WorkloadRequest};
 
-/// How long an Add waits for the pod's workload to appear in the state.
-const WORKLOAD_WAIT: Duration = Duration::from_secs(5);
-
 /// Errors starting a pod's proxy set.
 #[derive(Debug, thiserror::Error)]
 pub enum PodProxyError {
-    /// The state has no workload for the pod.
-    #[error("no workload {0}/{1} in the workload state (local config or istiod)")]
-    UnknownWorkload(String, String),
     /// Sockets in the pod netns failed.
     #[error(transparent)]
     Socket(#[from] SocketError),
@@ -89,6 +83,7 @@ fn ztunnel_workload_info<S: serde::Serializer>(
 struct Running {
     netns: NetnsId,
     identity: Identity,
+    ips: Vec<IpAddr>,
     task: AbortHandle,
     status: PodStatus,
 }
@@ -192,6 +187,7 @@ impl ProxyManager {
         if let Ok(mut r) = self.running.lock() {
             for (_, p) in r.drain() {
                 p.task.abort();
+                self.ctx.local.remove(&p.ips);
                 self.ctx.certs.release(&p.identity);
             }
         }
@@ -201,6 +197,7 @@ impl ProxyManager {
         let removed = self.running.lock().ok().and_then(|mut r| r.remove(uid));
         if let Some(p) = removed {
             p.task.abort();
+            self.ctx.local.remove(&p.ips);
             self.ctx.certs.release(&p.identity);
             tracing::info!(%uid, "pod proxy stopped");
         }
@@ -222,12 +219,12 @@ impl ProxyManager {
             .state
             .load()
             .workload_by_name(&info.namespace, &info.name);
+        // A pod the state does not list yet is served at once with its handoff's identity, as
+        // ztunnel serves in-pod workloads from their ZDS `WorkloadInfo`: a late or missing record
+        // never holds up the ack (and every other pod's Add behind it).
         let workload = match known {
             Some(w) => w,
-            None if self.ctx.identity_from_handoff => {
-                self.handoff_workload(&uid, &info, &netns).await?
-            }
-            None => self.wait_for_workload(&info).await?,
+            None => self.handoff_workload(&uid, &info, &netns).await?,
         };
         let identity = workload.identity();
         // the new hold before the old proxy of this uid (another netns) lets go of its own, so a
@@ -242,9 +239,10 @@ impl ProxyManager {
             tune_listener(l);
         }
         let server_tls = tls::server_config(self.ctx.certs.clone(), identity.clone())?;
+        let ips = workload.workload_ips.clone();
         let pod = Arc::new(PodProxy {
             ctx: self.ctx.clone(),
-            ips: workload.workload_ips.clone(),
+            ips: ips.clone(),
             identity: identity.clone(),
             workload,
             pool: Pool::new(sockets.clone(), self.ctx.certs.clone()),
@@ -265,11 +263,13 @@ impl ProxyManager {
             netns: netns.id().to_string(),
         };
         if let Ok(mut r) = self.running.lock() {
+            self.ctx.local.insert(&ips, &identity);
             r.insert(
                 uid,
                 Running {
                     netns: netns.id(),
                     identity,
+                    ips,
                     task,
                     status,
                 },
@@ -304,27 +304,6 @@ impl ProxyManager {
             &info.service_account,
             ips,
         )))
-    }
-
-    async fn wait_for_workload(&self, info: &WorkloadInfo) -> Result<Arc<Workload>, PodProxyError> {
-        let deadline = tokio::time::Instant::now() + WORKLOAD_WAIT;
-        loop {
-            if let Some(w) = self
-                .ctx
-                .state
-                .load()
-                .workload_by_name(&info.namespace, &info.name)
-            {
-                return Ok(w);
-            }
-            if tokio::time::Instant::now() >= deadline {
-                return Err(PodProxyError::UnknownWorkload(
-                    info.namespace.clone(),
-                    info.name.clone(),
-                ));
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
     }
 }
 
@@ -466,7 +445,7 @@ mod tests {
             certs: certs.clone(),
             metrics: crate::proxy::metrics::Metrics::default(),
             mark: crate::mesh::PacketMark::DEFAULT,
-            identity_from_handoff: false,
+            local: Default::default(),
         });
         let manager = ProxyManager::new(ctx);
         let info = WorkloadInfo {

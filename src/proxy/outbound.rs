@@ -90,7 +90,7 @@ async fn setup(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) -> Option
         return None;
     }
     let state = pod.ctx.state.load();
-    let route = match route::route(&state, &pod.workload, dst, client) {
+    let route = match route::route(&state, &pod.current_workload(&state), dst, client) {
         Ok(r) => r,
         Err(e) => {
             log.failed(&pod.ctx.metrics, &OutboundError::Route(e));
@@ -99,6 +99,10 @@ async fn setup(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) -> Option
         }
     };
     drop(state);
+    let mut route = route;
+    if route.hbone.is_none() {
+        route.hbone = pod.local_hbone(route.target);
+    }
     log.dst = route.target;
     let target = route.target;
     let relay = match route.hbone {

@@ -4,15 +4,16 @@
 //! code ([`crate::proxy::inbound`], [`crate::proxy::outbound`], [`crate::proxy::task`]) sees only
 //! this module.
 
-use std::net::IpAddr;
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, PoisonError, RwLock};
 
 use crate::mesh::PacketMark;
 use crate::proxy::identity::{CertManager, Identity};
 use crate::proxy::metrics::Metrics;
 use crate::proxy::pool::Pool;
 use crate::proxy::socket::PodSockets;
-use crate::proxy::state::{StateHandle, Workload};
+use crate::proxy::state::{ProxyState, StateHandle, Workload};
 
 /// What every pod proxy shares.
 #[derive(Debug)]
@@ -25,9 +26,41 @@ pub struct ProxyContext {
     pub metrics: Metrics,
     /// SO_MARK of every socket opened in a pod.
     pub mark: PacketMark,
-    /// Serve a pod the workload state does not know with the identity of its handoff
-    /// (Kubernetes mode) instead of refusing it after [`crate::proxy::manager`]'s wait.
-    pub identity_from_handoff: bool,
+    /// The pods this proxy serves, by IP: the identity each presents on its HBONE listener. A
+    /// pod served from its handoff before the workload source lists it is still an HBONE
+    /// destination for the other pods here (never plain TCP), see [`PodProxy::local_hbone`].
+    pub local: LocalPods,
+}
+
+/// IP → identity of the pods a proxy serves (see [`ProxyContext::local`]).
+#[derive(Debug, Default)]
+pub struct LocalPods(RwLock<HashMap<IpAddr, Identity>>);
+
+impl LocalPods {
+    /// Records the pod `ips` serving `identity`.
+    pub fn insert(&self, ips: &[IpAddr], identity: &Identity) {
+        let mut m = self.0.write().unwrap_or_else(PoisonError::into_inner);
+        for ip in ips {
+            m.insert(*ip, identity.clone());
+        }
+    }
+
+    /// Forgets `ips` (the pod stopped).
+    pub fn remove(&self, ips: &[IpAddr]) {
+        let mut m = self.0.write().unwrap_or_else(PoisonError::into_inner);
+        for ip in ips {
+            m.remove(ip);
+        }
+    }
+
+    /// The identity of the local pod at `ip`.
+    pub fn get(&self, ip: IpAddr) -> Option<Identity> {
+        self.0
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&ip)
+            .cloned()
+    }
 }
 
 /// The running proxy of one pod (shared by its connection tasks).
@@ -35,7 +68,8 @@ pub struct ProxyContext {
 pub struct PodProxy {
     /// Shared context.
     pub ctx: Arc<ProxyContext>,
-    /// The pod's workload at start.
+    /// The pod's workload at start: the state's record, or the one made from its handoff when
+    /// the state had none yet (see [`PodProxy::current_workload`]).
     pub workload: Arc<Workload>,
     /// The pod's identity.
     pub identity: Identity,
@@ -47,4 +81,30 @@ pub struct PodProxy {
     pub pool: Pool,
     /// Server TLS config of the pod identity.
     pub server_tls: Arc<rustls::ServerConfig>,
+}
+
+impl PodProxy {
+    /// The pod's workload as `state` has it now: its record by uid, else by namespace and name
+    /// (a pod started from its handoff before its record arrived, whose uid is the pod's, not
+    /// istiod's `<cluster>//v1/Pod/<ns>/<name>`), else the one it started with. Its
+    /// `authorizationPolicies` and services may have changed since the pod started.
+    pub fn current_workload(&self, state: &ProxyState) -> Arc<Workload> {
+        let w = &self.workload;
+        state
+            .workload_by_uid(&w.uid)
+            .or_else(|| state.workload_by_name(&w.namespace, &w.name))
+            .unwrap_or_else(|| w.clone())
+    }
+
+    /// The HBONE leg to `target` when it is a pod this proxy serves (`None` otherwise): for a
+    /// destination the workload source does not list (yet) as HBONE.
+    pub fn local_hbone(&self, target: SocketAddr) -> Option<crate::proxy::route::Hbone> {
+        let identity = self.ctx.local.get(target.ip())?;
+        Some(crate::proxy::route::Hbone {
+            addr: SocketAddr::new(target.ip(), crate::mesh::HBONE_PORT),
+            authority: target,
+            identity,
+            service_host: None,
+        })
+    }
 }

@@ -144,10 +144,15 @@ fn add_msg(uid: &str, info: &WorkloadInfo) -> proto::WorkloadRequest {
 }
 
 /// Sends one request and reads its ack, each within [`OP_TIMEOUT`].
+///
+/// `owed` counts the acks of earlier requests whose read timed out: the proxy may still send
+/// them (ZDS acks carry no request id), so the first `owed` responses read are those late acks,
+/// discarded, not this request's. A timed-out ack read adds one.
 async fn exchange(
     sock: &SeqPacket,
     msg: &proto::WorkloadRequest,
     fd: Option<BorrowedFd<'_>>,
+    owed: &mut usize,
 ) -> Result<(), ZdsError> {
     let timeout = |op| PacketError::Timeout {
         op,
@@ -157,11 +162,20 @@ async fn exchange(
         .await
         .map_err(|_| ZdsError::Conn(timeout("write")))?
         .map_err(ZdsError::Conn)?;
-    let resp: proto::WorkloadResponse =
-        tokio::time::timeout(OP_TIMEOUT, sock.recv_msg("WorkloadResponse"))
-            .await
-            .map_err(|_| ZdsError::Conn(timeout("ack read")))?
-            .map_err(ZdsError::Conn)?;
+    let deadline = tokio::time::Instant::now() + OP_TIMEOUT;
+    let resp: proto::WorkloadResponse = loop {
+        let read = tokio::time::timeout_at(deadline, sock.recv_msg("WorkloadResponse")).await;
+        let Ok(resp) = read else {
+            *owed += 1;
+            return Err(ZdsError::Conn(timeout("ack read")));
+        };
+        let resp = resp.map_err(ZdsError::Conn)?;
+        if *owed == 0 {
+            break resp;
+        }
+        *owed -= 1;
+        tracing::info!(late = ?resp.payload, "late ack of an earlier request discarded");
+    };
     match resp.payload {
         Some(workload_response::Payload::Ack(a)) if a.error.is_empty() => Ok(()),
         Some(workload_response::Payload::Ack(a)) => Err(ZdsError::Nack(Nack::new(a.error))),
@@ -318,15 +332,16 @@ async fn drive(
     tracing::info!(version = ?hello.version(), "ztunnel connected");
     let snapshot = server.snapshot();
     let count = snapshot.len();
+    let mut owed = 0;
     for (uid, info, netns) in snapshot {
-        match exchange(sock, &add_msg(&uid, &info), Some(netns.fd())).await {
+        match exchange(sock, &add_msg(&uid, &info), Some(netns.fd()), &mut owed).await {
             Ok(()) => {}
             Err(ZdsError::Nack(text)) => tracing::warn!(%uid, nack = %text, "snapshot add nacked"),
             Err(source) => return Err(ServerError::Snapshot { what: uid, source }),
         }
     }
     let sent = proto::WorkloadRequest::new(Payload::SnapshotSent(proto::SnapshotSent {}));
-    match exchange(sock, &sent, None).await {
+    match exchange(sock, &sent, None, &mut owed).await {
         Ok(()) => {}
         Err(ZdsError::Nack(text)) => tracing::warn!(nack = %text, "SnapshotSent nacked"),
         Err(source) => {
@@ -341,7 +356,7 @@ async fn drive(
         tokio::select! {
             job = rx.recv() => {
                 let Some(job) = job else { return Ok(()) };
-                let res = exchange(sock, &job.msg, job.netns.as_ref().map(|n| n.fd())).await;
+                let res = exchange(sock, &job.msg, job.netns.as_ref().map(|n| n.fd()), &mut owed).await;
                 let fatal = is_fatal(&res);
                 if let Err(e) = &res {
                     tracing::warn!(what = %job.what, error = %e, "ZDS request failed");
@@ -353,6 +368,11 @@ async fn drive(
             }
             pkt = sock.recv() => match pkt {
                 Ok(None) => return Ok(()),
+                // the ack of a request whose read timed out, arriving late: not a protocol error
+                Ok(Some(_)) if owed > 0 => {
+                    owed -= 1;
+                    tracing::info!("late ack of an earlier request discarded");
+                }
                 Ok(Some(p)) => return Err(ServerError::Unsolicited { len: p.data.len() }),
                 Err(e) => return Err(ServerError::Idle(e)),
             },

@@ -497,3 +497,76 @@ async fn unsolicited_message_from_the_proxy_closes_the_connection() {
     );
     agent.shutdown().await;
 }
+
+/// An ack that arrives after the agent's deadline (while idle, or while the next request waits)
+/// is the late answer of the timed-out request: discarded, not a protocol error, and the next
+/// request gets its own ack.
+#[tokio::test]
+async fn a_late_ack_is_discarded_and_the_connection_kept() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = sock_path(&dir);
+    let agent = Agent::start(&path);
+    let sock = packet::connect(&path).expect("connect");
+    sock.send(&proto::ZdsHello { version: 1 }, None)
+        .await
+        .expect("hello");
+    let pkt = sock.recv().await.expect("snapshot sent").expect("open");
+    assert_eq!(pkt.data, [0x1a, 0x00]);
+    sock.send(&proto::WorkloadResponse::ack(""), None)
+        .await
+        .expect("ack");
+    agent.wait_connections(1).await;
+
+    // "a" is not acked within the deadline
+    let server = agent.server.clone();
+    let first = tokio::spawn(async move { server.send(add("a")).await });
+    let req = sock.recv().await.expect("add a").expect("open");
+    assert!(!req.data.is_empty());
+    let res = tokio::time::timeout(WAIT + server::OP_TIMEOUT, first)
+        .await
+        .expect("the agent gives up")
+        .expect("task");
+    assert!(
+        matches!(res, Err(ZdsError::Conn(PacketError::Timeout { .. }))),
+        "{res:?}"
+    );
+    // its ack arrives late, while the agent is idle: the connection stays
+    sock.send(&proto::WorkloadResponse::ack(""), None)
+        .await
+        .expect("late ack");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        agent.server.connections(),
+        1,
+        "a late ack is not a protocol error"
+    );
+
+    // "b" times out too, and its late ack comes just before the ack of "c": "c" gets its own
+    let server = agent.server.clone();
+    let second = tokio::spawn(async move { server.send(add("b")).await });
+    sock.recv().await.expect("add b").expect("open");
+    let res = tokio::time::timeout(WAIT + server::OP_TIMEOUT, second)
+        .await
+        .expect("the agent gives up")
+        .expect("task");
+    assert!(res.is_err(), "{res:?}");
+    let server = agent.server.clone();
+    let third = tokio::spawn(async move { server.send(add("c")).await });
+    sock.recv().await.expect("add c").expect("open");
+    sock.send(&proto::WorkloadResponse::ack(""), None)
+        .await
+        .expect("late ack of b");
+    sock.send(&proto::WorkloadResponse::ack("c is refused"), None)
+        .await
+        .expect("ack of c");
+    let res = tokio::time::timeout(WAIT, third)
+        .await
+        .expect("c answered")
+        .expect("task");
+    assert!(
+        matches!(&res, Err(ZdsError::Nack(n)) if n.to_string().contains("c is refused")),
+        "c's own answer, not b's late one: {res:?}"
+    );
+    assert_eq!(agent.server.connections(), 1);
+    agent.shutdown().await;
+}

@@ -35,7 +35,10 @@ pub const MAX_CONCURRENT_CSRS: usize = 8;
 
 /// How long [`CertManager::ensure`] waits through transient CA failures (unreachable,
 /// `UNAVAILABLE`) before failing; a refusal fails at once.
-pub const ENSURE_TIMEOUT: Duration = Duration::from_secs(5);
+///
+/// Shorter than the agent's 5 s ZDS ack deadline (`zds::server::OP_TIMEOUT`), so a CA outage
+/// turns into a nack the agent still reads in time, not a late ack.
+pub const ENSURE_TIMEOUT: Duration = Duration::from_secs(4);
 
 /// Shortest pause between two fetches of one identity after a success (guards against a CA
 /// issuing certificates that are already past their refresh time).
