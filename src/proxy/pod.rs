@@ -9,10 +9,11 @@ use std::sync::Arc;
 
 use crate::mesh::PacketMark;
 use crate::proxy::identity::{CertManager, Identity};
+use crate::proxy::live::LiveConnections;
 use crate::proxy::metrics::Metrics;
 use crate::proxy::pool::Pool;
 use crate::proxy::socket::PodSockets;
-use crate::proxy::state::{StateHandle, Workload};
+use crate::proxy::state::{ProxyState, StateHandle, Workload};
 
 /// What every pod proxy shares.
 #[derive(Debug)]
@@ -47,4 +48,16 @@ pub struct PodProxy {
     pub pool: Pool,
     /// Server TLS config of the pod identity.
     pub server_tls: Arc<rustls::ServerConfig>,
+    /// The pod's open inbound connections, re-checked when the policies change.
+    pub live: Arc<LiveConnections>,
+}
+
+impl PodProxy {
+    /// The pod's workload as `state` has it (its `authorizationPolicies` may have changed since
+    /// the pod started), else as it was at start.
+    pub fn workload_in(&self, state: &ProxyState) -> Arc<Workload> {
+        state
+            .workload_by_uid(&self.workload.uid)
+            .unwrap_or_else(|| self.workload.clone())
+    }
 }
