@@ -7,8 +7,9 @@
 //! IP (IP_TRANSPARENT) so it sees the real source; 200 only after that connect succeeded, 503
 //! otherwise. Never an open proxy. Each HBONE connection is kept alive with HTTP/2 PINGs and owns
 //! its streams ([`serve_streams`]). Plaintext connections are authorized without an identity.
-//! Every stream and plaintext connection stays registered in the pod's [`crate::proxy::live`] connections while
-//! it is open, so a policy change that denies it closes it ([`Revocable`]).
+//! Every stream and plaintext connection stays registered in the pod's live connections
+//! ([`crate::proxy::live`]) while it is open, so a policy change that denies it closes it
+//! ([`Revocable`]).
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -256,7 +257,7 @@ async fn stream_setup(
 /// (its `authorizationPolicies` may have changed since the pod started).
 fn authorize(pod: &PodProxy, conn: &authz::Connection<'_>) -> Result<(), authz::Denied> {
     let state = pod.ctx.state.load();
-    authz::check(&state, &pod.workload_in(&state), conn)
+    authz::check(&state, &state.current(&pod.workload), conn)
 }
 
 /// Validates a CONNECT request against the pod address `local`; returns the app address.

@@ -36,8 +36,7 @@ use tokio::sync::watch;
 use crate::proxy::authz::{self, Denied};
 use crate::proxy::copy::Transferred;
 use crate::proxy::identity::Identity;
-use crate::proxy::pod::PodProxy;
-use crate::proxy::state::{Policy, Workload};
+use crate::proxy::state::{Policy, ProxyState, StateHandle, Workload};
 
 /// An open connection closed because the policies changed and now deny it.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -92,7 +91,12 @@ pub struct Revocable<F> {
 /// depend on changed: the policies, or the pod's workload (namespace, `authorizationPolicies`).
 #[derive(Debug)]
 pub struct PolicyWatcher {
+    state: StateHandle,
     versions: watch::Receiver<u64>,
+    live: Arc<LiveConnections>,
+    /// The pod's workload at start (see [`ProxyState::current`]).
+    workload: Arc<Workload>,
+    /// The policies and the workload of the last check.
     checked: (Vec<Arc<Policy>>, Arc<Workload>),
 }
 
@@ -124,7 +128,7 @@ impl LiveConnections {
 
     /// Checks every connection against `state`'s policies for `dst` (the pod's workload) and
     /// closes the ones denied, with a log line each; returns how many.
-    pub fn recheck(&self, state: &crate::proxy::state::ProxyState, dst: &Workload) -> usize {
+    pub fn recheck(&self, state: &ProxyState, dst: &Workload) -> usize {
         let mut inner = self.lock();
         let denied: Vec<(u64, Denied)> = inner
             .conns
@@ -220,13 +224,22 @@ where
 // === impl PolicyWatcher ===
 
 impl PolicyWatcher {
-    /// A watcher of `pod`'s state, starting from the current version.
-    pub fn new(pod: &PodProxy) -> PolicyWatcher {
-        let versions = pod.ctx.state.subscribe();
-        let state = pod.ctx.state.load();
+    /// A watcher of `state` for the connections in `live` of the pod whose workload at start was
+    /// `workload`, from the current version on.
+    pub fn new(
+        state: StateHandle,
+        live: Arc<LiveConnections>,
+        workload: Arc<Workload>,
+    ) -> PolicyWatcher {
+        let versions = state.subscribe();
+        let now = state.load();
+        let checked = (now.policies().cloned().collect(), now.current(&workload));
         PolicyWatcher {
+            state,
             versions,
-            checked: (state.policies().cloned().collect(), pod.workload_in(&state)),
+            live,
+            workload,
+            checked,
         }
     }
 
@@ -237,17 +250,17 @@ impl PolicyWatcher {
         }
     }
 
-    /// Re-checks `pod`'s connections if the policies or its workload differ from the last check;
-    /// returns how many were closed.
-    pub fn recheck(&mut self, pod: &PodProxy) -> usize {
-        let state = pod.ctx.state.load();
-        let workload = pod.workload_in(&state);
+    /// Re-checks the connections if the policies or the pod's workload differ from the last
+    /// check; returns how many were closed.
+    pub fn recheck(&mut self) -> usize {
+        let state = self.state.load();
+        let workload = state.current(&self.workload);
         // `Arc<T: Eq>` compares pointers first, so an unchanged snapshot costs little.
         let same = self.checked.1 == workload && self.checked.0.iter().eq(state.policies());
         if same {
             return 0;
         }
-        let closed = pod.live.recheck(&state, &workload);
+        let closed = self.live.recheck(&state, &workload);
         self.checked = (state.policies().cloned().collect(), workload);
         closed
     }

@@ -372,11 +372,15 @@ async fn serve(
     let mut conns = JoinSet::new();
     let mut sweep = tokio::time::interval(POOL_SWEEP_INTERVAL);
     sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut policies = PolicyWatcher::new(&pod);
+    let mut policies = PolicyWatcher::new(
+        pod.ctx.state.clone(),
+        pod.live.clone(),
+        pod.workload.clone(),
+    );
     loop {
         tokio::select! {
             () = policies.changed() => {
-                policies.recheck(&pod);
+                policies.recheck();
             }
             r = outbound_l.accept() => match r {
                 Ok((s, peer)) => {

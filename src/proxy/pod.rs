@@ -13,7 +13,7 @@ use crate::proxy::live::LiveConnections;
 use crate::proxy::metrics::Metrics;
 use crate::proxy::pool::Pool;
 use crate::proxy::socket::PodSockets;
-use crate::proxy::state::{ProxyState, StateHandle, Workload};
+use crate::proxy::state::{StateHandle, Workload};
 
 /// What every pod proxy shares.
 #[derive(Debug)]
@@ -50,14 +50,4 @@ pub struct PodProxy {
     pub server_tls: Arc<rustls::ServerConfig>,
     /// The pod's open inbound connections, re-checked when the policies change.
     pub live: Arc<LiveConnections>,
-}
-
-impl PodProxy {
-    /// The pod's workload as `state` has it (its `authorizationPolicies` may have changed since
-    /// the pod started), else as it was at start.
-    pub fn workload_in(&self, state: &ProxyState) -> Arc<Workload> {
-        state
-            .workload_by_uid(&self.workload.uid)
-            .unwrap_or_else(|| self.workload.clone())
-    }
 }

@@ -5,14 +5,15 @@ use futures::FutureExt;
 
 use super::*;
 use crate::proxy::config::parse_local_config;
-use crate::proxy::state::ProxyState;
+use crate::proxy::state::{ProxyState, StateHandle};
 
 const SERVER: &str = "workloads:
 - {uid: c1//v1/Pod/default/server, name: server, namespace: default, serviceAccount: bob, workloadIps: [10.0.0.3], protocol: HBONE}
 ";
 
-fn state(policies: &str) -> ProxyState {
-    let cfg = parse_local_config(&format!("{SERVER}{policies}")).expect("config");
+/// The server, then `rest` (more workloads, then `policies:`).
+fn state(rest: &str) -> ProxyState {
+    let cfg = parse_local_config(&format!("{SERVER}{rest}")).expect("config");
     ProxyState::from_config(&cfg).expect("state")
 }
 
@@ -123,4 +124,48 @@ fn plaintext_connections_are_rechecked_without_identity() {
         "policies:\n- {name: mesh, namespace: default, scope: Namespace, action: Allow, rules: [[[{namespaces: [Presence]}]]]}\n",
     );
     assert_eq!(live.recheck(&mesh_only, &server(&mesh_only)), 1);
+}
+
+#[tokio::test]
+async fn the_watcher_rechecks_when_the_policies_or_the_workload_change_and_only_then() {
+    let deny_80 = "policies:\n- {name: no-80, namespace: default, scope: Namespace, action: Deny, rules: [[[{destinationPorts: [80]}]]]}\n";
+    let handle = StateHandle::new(state(""));
+    let live = Arc::new(LiveConnections::default());
+    let start = server(&handle.load());
+    let mut watcher = PolicyWatcher::new(handle.clone(), live.clone(), start);
+    let id = alice();
+    let r80 = idle(&live, &to(&id, 80));
+
+    // another workload added, no policy touched: nothing to re-check
+    let other = "- {uid: c1//v1/Pod/default/other, name: other, namespace: default, workloadIps: [10.0.0.9]}\n";
+    handle.store(state(other));
+    tokio::time::timeout(Duration::from_secs(5), watcher.changed())
+        .await
+        .expect("a new version");
+    assert_eq!(watcher.recheck(), 0);
+
+    handle.store(state(deny_80));
+    tokio::time::timeout(Duration::from_secs(5), watcher.changed())
+        .await
+        .expect("a new version");
+    assert_eq!(watcher.recheck(), 1);
+    assert!(r80.await.is_err(), "closed");
+
+    // a connection that slipped in under the deny is not re-checked while nothing relevant changes
+    let _r = idle(&live, &to(&id, 80));
+    handle.store(state(&format!("{other}{deny_80}")));
+    watcher.changed().await;
+    assert_eq!(watcher.recheck(), 0, "same policies, same server workload");
+    // the server's workload changes (it names a selector policy): re-checked
+    let named = format!(
+        "{}{deny_80}",
+        SERVER.replace(
+            "protocol: HBONE}",
+            "protocol: HBONE, authorizationPolicies: [default/x]}"
+        )
+    );
+    let cfg = parse_local_config(&named).expect("config");
+    handle.store(ProxyState::from_config(&cfg).expect("state"));
+    watcher.changed().await;
+    assert_eq!(watcher.recheck(), 1);
 }
