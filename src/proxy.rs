@@ -21,6 +21,7 @@ pub mod hbone;
 pub mod identity;
 pub mod inbound;
 pub mod istio_env;
+pub mod live;
 pub mod manager;
 pub mod metrics;
 pub mod outbound;

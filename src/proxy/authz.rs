@@ -8,10 +8,16 @@
 //! must match.
 //!
 //! A policy matches when any of its rules matches; a rule when all its clauses match; a clause
-//! when it is empty or any of its matches matches. A match with no field set never matches; each
-//! set field must hold (values of one field are ORed, `not*` fields must hold for none).
-//! Identity fields compare the peer's mTLS identity: without one (plaintext) they never match, so
-//! `not*` identity fields hold.
+//! when it is empty or any of its matches matches. In a match each L4 field that is set must hold
+//! (values of one field are ORed, `not*` fields must hold for none). Identity fields compare the
+//! peer's mTLS identity: without one (plaintext) they never match, so `not*` identity fields hold.
+//!
+//! What L4 cannot see fails closed (issue 17; istiod's own reading for ambient, see
+//! `config/policy.rs`): in a DENY, L7 attributes are taken as matching, so a match with only L7
+//! attributes, or none at all (`{}`), matches every connection and the DENY rejects all that the
+//! rest of its rule selects. In an ALLOW, a match with L7 attributes or without any L4 field
+//! never matches, so an ALLOW made of such matches allows nothing. (ztunnel skips an empty match
+//! in both, which lets an HTTP-only DENY allow everything.)
 
 use std::net::{IpAddr, SocketAddr};
 
@@ -93,16 +99,23 @@ fn applies(p: &LocalPolicy, dst: &Workload) -> bool {
 
 fn policy_matches(p: &LocalPolicy, conn: &Connection<'_>) -> bool {
     p.rules.iter().any(|rule| {
-        rule.iter()
-            .all(|clause| clause.is_empty() || clause.iter().any(|m| match_matches(m, conn)))
+        rule.iter().all(|clause| {
+            clause.is_empty() || clause.iter().any(|m| match_matches(m, p.action, conn))
+        })
     })
 }
 
-/// One match: every field that is set must hold.
-fn match_matches(m: &PolicyMatch, conn: &Connection<'_>) -> bool {
-    if *m == PolicyMatch::default() {
-        return false;
+/// One match of a policy with `action`, failing closed on what L4 cannot check (module docs).
+fn match_matches(m: &PolicyMatch, action: PolicyAction, conn: &Connection<'_>) -> bool {
+    match action {
+        // An empty match has no field that could fail: it holds.
+        PolicyAction::Deny => l4_holds(m, conn),
+        PolicyAction::Allow => m.l7_attributes.is_empty() && !m.is_l4_empty() && l4_holds(m, conn),
     }
+}
+
+/// Every L4 field of `m` that is set holds for `conn` (L7 attributes aside).
+fn l4_holds(m: &PolicyMatch, conn: &Connection<'_>) -> bool {
     let id = conn.src_identity;
     let namespace = |f: &dyn Fn(&str) -> bool| id.is_some_and(|i| f(&i.namespace));
     // the SPIFFE id without `spiffe://`: `<td>/ns/<ns>/sa/<sa>`

@@ -19,7 +19,8 @@ mod tests;
 mod types;
 
 pub use policy::{
-    Cidr, LocalPolicy, PolicyAction, PolicyMatch, PolicyScope, ServiceAccountMatch, StringMatch,
+    Cidr, L7Attribute, LocalPolicy, PolicyAction, PolicyMatch, PolicyScope, ServiceAccountMatch,
+    StringMatch, fail_closed_rules, parse_policy,
 };
 pub use types::{
     AppTunnelProtocol, ApplicationTunnel, Endpoint, GatewayAddress, GatewayDestination,
@@ -299,9 +300,13 @@ fn default_capacity() -> u32 {
 
 /// Parses the local config YAML.
 ///
+/// A policy whose body does not parse does not fail the config: it is kept as its fail-closed
+/// stand-in and a warning names it ([`parse_policy`], the docs of `config/policy.rs`).
+///
 /// # Errors
 /// [`ConfigError::Yaml`] for malformed YAML, unknown keys, wrong types, bad IPs / VIPs /
-/// ports / enum values, missing required keys; the message names the place and key, e.g.
+/// ports / enum values, missing required keys outside policies, or a policy whose `name`,
+/// `scope` or `action` does not parse; the message names the place and key, e.g.
 /// `workloads[1]: unknown field `fooBar`, expected one of ...`.
 /// [`ConfigError::EmptyField`] for an empty workload `namespace` or service
 /// `name`/`namespace`/`hostname`.
@@ -310,8 +315,12 @@ pub fn parse_local_config(yaml: &str) -> Result<LocalConfig, ConfigError> {
     if yaml.trim().is_empty() {
         return Ok(LocalConfig::default());
     }
-    let cfg: LocalConfig =
-        serde_yaml_ng::from_str(yaml).map_err(|source| ConfigError::Yaml { source })?;
+    // Strict first, so a valid config parses as written and an error outside policies keeps the
+    // parser's place (line and column); only then policy by policy.
+    let cfg = match serde_yaml_ng::from_str::<LocalConfig>(yaml) {
+        Ok(cfg) => cfg,
+        Err(source) => policy_by_policy(yaml).ok_or(ConfigError::Yaml { source })?,
+    };
     for (i, w) in cfg.workloads.iter().enumerate() {
         require(&format!("workloads[{i}]"), "namespace", &w.namespace)?;
     }
@@ -322,6 +331,35 @@ pub fn parse_local_config(yaml: &str) -> Result<LocalConfig, ConfigError> {
         require(&place, "hostname", &s.hostname)?;
     }
     Ok(cfg)
+}
+
+/// The local config with `policies` as YAML values, to parse them one by one.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct PolicyByPolicy {
+    #[serde(default)]
+    workloads: Vec<LocalWorkload>,
+    #[serde(default)]
+    services: Vec<LocalService>,
+    #[serde(default)]
+    policies: Vec<serde_yaml_ng::Value>,
+}
+
+/// `yaml` parsed with every policy on its own ([`parse_policy`]); `None` when something outside
+/// the policies' bodies does not parse (the strict parser's error says what).
+fn policy_by_policy(yaml: &str) -> Option<LocalConfig> {
+    let raw: PolicyByPolicy = serde_yaml_ng::from_str(yaml).ok()?;
+    let policies = raw
+        .policies
+        .iter()
+        .enumerate()
+        .map(|(i, v)| parse_policy(i, v).ok())
+        .collect::<Option<Vec<_>>>()?;
+    Some(LocalConfig {
+        workloads: raw.workloads,
+        services: raw.services,
+        policies,
+    })
 }
 
 fn require(place: &str, field: &'static str, value: &str) -> Result<(), ConfigError> {

@@ -25,22 +25,33 @@ const SMALL_BUF: usize = 16 * 1024;
 /// Largest read buffer, bytes.
 const LARGE_BUF: usize = 1024 * 1024;
 
-/// The read size of one copy direction, adapted to how full the previous reads came back.
+/// The read size of one copy direction, adapted to how full the previous reads came back. A
+/// `u32` (it never exceeds [`LARGE_BUF`]), so that [`Up`] packs it with its flags into one word and
+/// a relaying task stays within its task cell (see `proxy::task`).
 #[derive(Debug, Clone, Copy)]
-struct ReadSize(usize);
+struct ReadSize(u32);
 
 impl ReadSize {
     fn new() -> Self {
-        ReadSize(SMALL_BUF)
+        ReadSize(SMALL_BUF as u32)
+    }
+
+    /// The next read's buffer size, bytes.
+    fn get(self) -> usize {
+        self.0 as usize
     }
 
     /// Adjusts after a read of `n` bytes into a buffer of `cap` bytes.
     fn update(&mut self, n: usize, cap: usize) {
-        if n >= cap {
-            self.0 = (self.0 * 4).min(LARGE_BUF);
+        let next = if n >= cap {
+            (self.get() * 4).min(LARGE_BUF)
         } else if n < SMALL_BUF {
-            self.0 = SMALL_BUF;
-        }
+            SMALL_BUF
+        } else {
+            return;
+        };
+        // both bounds are far below u32::MAX
+        self.0 = next as u32;
     }
 }
 
@@ -332,7 +343,7 @@ fn poll_read_chunk<R: ReadReady>(
     cx: &mut Context<'_>,
 ) -> Poll<io::Result<Option<BytesMut>>> {
     ready!(reader.poll_read_ready(cx))?;
-    let mut buf = BytesMut::with_capacity(size.0);
+    let mut buf = BytesMut::with_capacity(size.get());
     let cap = buf.capacity();
     let n = ready!(tokio_util::io::poll_read_buf(
         Pin::new(&mut *reader),
@@ -407,15 +418,19 @@ mod tests {
     fn read_size_follows_the_traffic() {
         let mut s = ReadSize::new();
         s.update(SMALL_BUF, SMALL_BUF);
-        assert_eq!(s.0, 4 * SMALL_BUF);
+        assert_eq!(s.get(), 4 * SMALL_BUF);
         for _ in 0..10 {
-            s.update(s.0, s.0);
+            s.update(s.get(), s.get());
         }
-        assert_eq!(s.0, LARGE_BUF);
+        assert_eq!(s.get(), LARGE_BUF);
         s.update(SMALL_BUF, LARGE_BUF);
-        assert_eq!(s.0, LARGE_BUF, "a partly filled bulk read keeps the size");
+        assert_eq!(
+            s.get(),
+            LARGE_BUF,
+            "a partly filled bulk read keeps the size"
+        );
         s.update(1024, LARGE_BUF);
-        assert_eq!(s.0, SMALL_BUF);
+        assert_eq!(s.get(), SMALL_BUF);
     }
 
     #[tokio::test]

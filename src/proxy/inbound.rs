@@ -7,6 +7,9 @@
 //! IP (IP_TRANSPARENT) so it sees the real source; 200 only after that connect succeeded, 503
 //! otherwise. Never an open proxy. Each HBONE connection is kept alive with HTTP/2 PINGs and owns
 //! its streams ([`serve_streams`]). Plaintext connections are authorized without an identity.
+//! Every stream and plaintext connection stays registered in the pod's live connections
+//! ([`crate::proxy::live`]) while it is open, so a policy change that denies it closes it
+//! ([`Revocable`]).
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -25,6 +28,7 @@ use crate::proxy::authz;
 use crate::proxy::copy;
 use crate::proxy::hbone::{self, CONNECT_TIMEOUT, HANDSHAKE_TIMEOUT};
 use crate::proxy::identity::Identity;
+use crate::proxy::live::Revocable;
 use crate::proxy::metrics::Direction;
 use crate::proxy::pod::PodProxy;
 use crate::proxy::socket::{self, SocketError};
@@ -192,7 +196,7 @@ async fn stream_setup(
     body: h2::RecvStream,
     mut respond: SendResponse<Bytes>,
     ends: Ends,
-) -> Option<ServerSide<copy::H2Relay>> {
+) -> Option<ServerSide<Revocable<copy::H2Relay>>> {
     let Ends {
         peer,
         local,
@@ -216,6 +220,8 @@ async fn stream_setup(
         src_ip: peer.ip(),
         dst: target,
     };
+    // before the check, so that no policy change between the two is missed (see `live`)
+    let registration = pod.live.register(&conn);
     if let Err(denied) = authorize(&pod, &conn) {
         refuse(&mut respond, StatusCode::UNAUTHORIZED);
         log.failed(&pod.ctx.metrics, &InboundError::Policy(denied));
@@ -243,7 +249,7 @@ async fn stream_setup(
     Some(Logged::new(
         pod.ctx.clone(),
         log,
-        copy::relay_h2(upstream, send, body),
+        registration.revocable(copy::relay_h2(upstream, send, body)),
     ))
 }
 
@@ -251,8 +257,7 @@ async fn stream_setup(
 /// (its `authorizationPolicies` may have changed since the pod started).
 fn authorize(pod: &PodProxy, conn: &authz::Connection<'_>) -> Result<(), authz::Denied> {
     let state = pod.ctx.state.load();
-    let workload = pod.current_workload(&state);
-    authz::check(&state, &workload, conn)
+    authz::check(&state, &pod.current_workload(&state), conn)
 }
 
 /// Validates a CONNECT request against the pod address `local`; returns the app address.
@@ -293,7 +298,7 @@ async fn plaintext_setup(
     pod: Arc<PodProxy>,
     tcp: TcpStream,
     peer: SocketAddr,
-) -> Option<ClientSide<Plaintext>> {
+) -> Option<ClientSide<Revocable<Plaintext>>> {
     let peer = socket::canonical(peer);
     let dst = match socket::original_dst(&tcp) {
         Ok(d) => d,
@@ -322,6 +327,7 @@ async fn plaintext_setup(
         src_ip: peer.ip(),
         dst,
     };
+    let registration = pod.live.register(&conn);
     if let Err(denied) = authorize(&pod, &conn) {
         log.failed(&pod.ctx.metrics, &InboundError::Policy(denied));
         socket::reset(tcp);
@@ -334,7 +340,11 @@ async fn plaintext_setup(
     {
         Ok(upstream) => {
             let relay: Plaintext = Box::pin(copy::relay_tcp(tcp, upstream));
-            Some(Logged::new(pod.ctx.clone(), log, relay))
+            Some(Logged::new(
+                pod.ctx.clone(),
+                log,
+                registration.revocable(relay),
+            ))
         }
         Err(e) => {
             log.failed(&pod.ctx.metrics, &InboundError::Upstream(e));

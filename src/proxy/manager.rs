@@ -22,6 +22,7 @@ use tokio::task::{AbortHandle, JoinSet};
 use crate::mesh::{HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT};
 use crate::netns::{Netns, NetnsId};
 use crate::proxy::identity::{CertManager, Identity, IdentityError};
+use crate::proxy::live::PolicyWatcher;
 use crate::proxy::pod::{PodProxy, ProxyContext};
 use crate::proxy::pool::{POOL_SWEEP_INTERVAL, Pool};
 use crate::proxy::socket::{PodSockets, SocketError};
@@ -248,6 +249,7 @@ impl ProxyManager {
             pool: Pool::new(sockets.clone(), self.ctx.certs.clone()),
             sockets,
             server_tls,
+            live: Arc::default(),
         });
         let span = tracing::info_span!("pod", %uid, name = %info.name, namespace = %info.namespace);
         let task = tokio::spawn(tracing::Instrument::instrument(
@@ -338,7 +340,8 @@ impl Drop for CertHold<'_> {
 
 /// Accepts on the three listeners; connection tasks live in a JoinSet so aborting this task ends
 /// them. Accepted sockets inherit TCP_NODELAY and TCP keepalive from the listeners
-/// ([`tune_listener`]); the outbound pool is swept every [`POOL_SWEEP_INTERVAL`].
+/// ([`tune_listener`]); the outbound pool is swept every [`POOL_SWEEP_INTERVAL`]; open inbound
+/// connections are re-checked when the policies change ([`PolicyWatcher`]).
 async fn serve(
     pod: Arc<PodProxy>,
     outbound_l: TcpListener,
@@ -348,8 +351,16 @@ async fn serve(
     let mut conns = JoinSet::new();
     let mut sweep = tokio::time::interval(POOL_SWEEP_INTERVAL);
     sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut policies = PolicyWatcher::new(
+        pod.ctx.state.clone(),
+        pod.live.clone(),
+        pod.workload.clone(),
+    );
     loop {
         tokio::select! {
+            () = policies.changed() => {
+                policies.recheck();
+            }
             r = outbound_l.accept() => match r {
                 Ok((s, peer)) => {
                     conns.spawn(outbound::handle(pod.clone(), s, peer));

@@ -10,6 +10,7 @@ use std::sync::{Arc, PoisonError, RwLock};
 
 use crate::mesh::PacketMark;
 use crate::proxy::identity::{CertManager, Identity};
+use crate::proxy::live::LiveConnections;
 use crate::proxy::metrics::Metrics;
 use crate::proxy::pool::Pool;
 use crate::proxy::socket::PodSockets;
@@ -81,19 +82,14 @@ pub struct PodProxy {
     pub pool: Pool,
     /// Server TLS config of the pod identity.
     pub server_tls: Arc<rustls::ServerConfig>,
+    /// The pod's open inbound connections, re-checked when the policies change.
+    pub live: Arc<LiveConnections>,
 }
 
 impl PodProxy {
-    /// The pod's workload as `state` has it now: its record by uid, else by namespace and name
-    /// (a pod started from its handoff before its record arrived, whose uid is the pod's, not
-    /// istiod's `<cluster>//v1/Pod/<ns>/<name>`), else the one it started with. Its
-    /// `authorizationPolicies` and services may have changed since the pod started.
+    /// The pod's workload as `state` has it now ([`ProxyState::current`]).
     pub fn current_workload(&self, state: &ProxyState) -> Arc<Workload> {
-        let w = &self.workload;
-        state
-            .workload_by_uid(&w.uid)
-            .or_else(|| state.workload_by_name(&w.namespace, &w.name))
-            .unwrap_or_else(|| w.clone())
+        state.current(&self.workload)
     }
 
     /// The HBONE leg to `target` when it is a pod this proxy serves (`None` otherwise): for a

@@ -408,6 +408,16 @@ impl ProxyState {
         self.by_uid.get(uid).cloned()
     }
 
+    /// `w` as this snapshot has it: by uid, else by namespace and name (a pod served from its
+    /// handoff before its record arrived has the pod's uid, not istiod's
+    /// `<cluster>//v1/Pod/<ns>/<name>`), else `w` itself. A running pod's workload may have
+    /// changed since the pod started (e.g. its `authorizationPolicies`).
+    pub fn current(&self, w: &Arc<Workload>) -> Arc<Workload> {
+        self.workload_by_uid(&w.uid)
+            .or_else(|| self.workload_by_name(&w.namespace, &w.name))
+            .unwrap_or_else(|| w.clone())
+    }
+
     /// The service owning VIP `ip` on any network (IPv4-mapped IPv6 is looked up as IPv4).
     pub fn service_by_vip(&self, ip: IpAddr) -> Option<Arc<Service>> {
         self.by_vip.get(&ip.to_canonical()).cloned()

@@ -144,19 +144,169 @@ fn clauses_are_anded_and_matches_ored() {
 }
 
 #[test]
-fn empty_rules_and_empty_matches_never_match() {
-    let st = state(
-        "- {name: none, namespace: default, scope: Global, action: Deny, rules: []}\n\
-         - {name: blank, namespace: default, scope: Global, action: Deny, rules: [[[{}]]]}\n",
-    );
+fn empty_rules_never_match_and_an_empty_clause_holds() {
+    let st = state("- {name: none, namespace: default, scope: Global, action: Deny, rules: []}\n");
     assert_eq!(plaintext_to(&st, "server", 80), Ok(()));
-    // an empty clause holds
     let st =
         state("- {name: all, namespace: default, scope: Global, action: Deny, rules: [[[]]]}\n");
     assert_eq!(
         plaintext_to(&st, "server", 80),
         Err(Denied::Explicit("default/all".into()))
     );
+}
+
+#[test]
+fn a_deny_with_an_empty_match_denies_what_the_rest_of_its_rule_selects() {
+    // issue 17: `rules: [[[{}]]]` allowed everything (the empty match was skipped, as in ztunnel)
+    let st = state(
+        "- {name: blank, namespace: default, scope: Namespace, action: Deny, rules: [[[{}]]]}\n",
+    );
+    assert_eq!(plaintext_to(&st, "server", 80), denied_by("default/blank"));
+    assert_eq!(alice_to_server(&st, 80), denied_by("default/blank"));
+    assert_eq!(
+        plaintext_to(&st, "elsewhere", 80),
+        Ok(()),
+        "other namespace"
+    );
+    // port 9000 AND an empty match: only port 9000 is denied
+    let st = state(
+        "- {name: p9000, namespace: default, scope: Namespace, action: Deny, rules: [[[{destinationPorts: [9000]}], [{}]]]}\n",
+    );
+    assert_eq!(
+        plaintext_to(&st, "server", 9000),
+        denied_by("default/p9000")
+    );
+    assert_eq!(plaintext_to(&st, "server", 80), Ok(()));
+}
+
+#[test]
+fn a_deny_with_l7_attributes_denies_what_its_l4_parts_select() {
+    // only L7 attributes: every connection in scope
+    for m in [
+        "{paths: [/admin]}",
+        "{methods: [GET], hosts: [example.com]}",
+        "{notPaths: [/healthz]}",
+        "{headers: {x-user: [mallory]}}",
+        "{requestPrincipals: [\"*\"]}",
+    ] {
+        let st = state(&format!(
+            "- {{name: http, namespace: default, scope: Namespace, action: Deny, rules: [[[{m}]]]}}\n"
+        ));
+        assert_eq!(
+            plaintext_to(&st, "server", 80),
+            denied_by("default/http"),
+            "{m}"
+        );
+        assert_eq!(alice_to_server(&st, 81), denied_by("default/http"), "{m}");
+    }
+    // L4 and L7 in one match: the L4 fields decide
+    let st = state(
+        "- {name: admin, namespace: default, scope: Namespace, action: Deny, rules: [[[{destinationPorts: [9001], methods: [POST], paths: [/admin]}]]]}\n",
+    );
+    assert_eq!(
+        plaintext_to(&st, "server", 9001),
+        denied_by("default/admin")
+    );
+    assert_eq!(plaintext_to(&st, "server", 80), Ok(()));
+    // an L7-only clause next to an L4 clause
+    let st = state(
+        "- {name: admin, namespace: default, scope: Namespace, action: Deny, rules: [[[{notNamespaces: [{Exact: default}]}], [{paths: [/admin]}]]]}\n",
+    );
+    assert_eq!(plaintext_to(&st, "server", 80), denied_by("default/admin"));
+    assert_eq!(alice_to_server(&st, 80), Ok(()));
+}
+
+#[test]
+fn an_allow_made_of_l7_or_empty_matches_allows_nothing() {
+    for m in [
+        "{}",
+        "{paths: [/public]}",
+        "{destinationPorts: [80], methods: [GET]}",
+    ] {
+        let st = state(&format!(
+            "- {{name: http, namespace: default, scope: Namespace, action: Allow, rules: [[[{m}]]]}}\n"
+        ));
+        assert_eq!(
+            plaintext_to(&st, "server", 80),
+            Err(Denied::NotAllowed),
+            "{m}"
+        );
+        assert_eq!(alice_to_server(&st, 80), Err(Denied::NotAllowed), "{m}");
+    }
+    // an L4 match next to an L7 one in the same clause still allows what it selects
+    let st = state(
+        "- {name: p, namespace: default, scope: Namespace, action: Allow, rules: [[[{paths: [/x]}, {destinationPorts: [80]}]]]}\n",
+    );
+    assert_eq!(plaintext_to(&st, "server", 80), Ok(()));
+    assert_eq!(plaintext_to(&st, "server", 81), Err(Denied::NotAllowed));
+}
+
+#[test]
+fn an_xds_deny_whose_http_rules_istiod_left_out_denies() {
+    use crate::proxy::xds::convert::authorization;
+    use crate::proxy::xds::proto::security as sec;
+    // istiod's conversion of `to: [{operation: {methods: [GET]}}]` in a DENY: one clause with one
+    // empty match (`authorization.go` `handleRule`)
+    let xds = sec::Authorization {
+        name: "no-get".into(),
+        namespace: "default".into(),
+        scope: sec::Scope::Namespace as i32,
+        action: sec::Action::Deny as i32,
+        rules: vec![sec::Rule {
+            clauses: vec![sec::Clause {
+                matches: vec![sec::Match::default()],
+            }],
+        }],
+        dry_run: false,
+        extensions: vec![],
+    };
+    let mut cfg = parse_local_config(WORKLOADS).expect("config");
+    cfg.policies.push(authorization(&xds).expect("convert"));
+    let st = ProxyState::from_config(&cfg).expect("state");
+    assert_eq!(plaintext_to(&st, "server", 80), denied_by("default/no-get"));
+    assert_eq!(plaintext_to(&st, "elsewhere", 80), Ok(()));
+}
+
+#[test]
+fn a_policy_that_does_not_parse_fails_closed_in_its_scope_only() {
+    let st = state(
+        "- {name: typo, namespace: default, scope: Namespace, action: Deny, rules: [[[{sourceIp: [10.9.0.1]}]]]}\n\
+         - {name: typo, namespace: other, scope: Namespace, action: Allow, rules: [[[{namespace: [{Exact: default}]}]]]}\n\
+         - {name: dry, namespace: default, scope: Global, action: Deny, dryRun: true, rules: [[[{port: 80}]]]}\n\
+         - {name: ok, namespace: default, scope: Namespace, action: Deny, rules: [[[{destinationPorts: [81]}]]]}\n",
+    );
+    let invalid: Vec<_> = st
+        .policies()
+        .map(|p| (p.name.as_str(), p.invalid.is_some()))
+        .collect();
+    assert_eq!(
+        invalid,
+        [("typo", true), ("typo", true), ("dry", true), ("ok", false)]
+    );
+    let reason = st
+        .policies()
+        .find_map(|p| p.invalid.clone())
+        .expect("invalid");
+    assert!(
+        reason.contains("policies[0].rules[0][0][0]")
+            && reason.contains("unknown field `sourceIp`"),
+        "{reason}"
+    );
+    // the invalid DENY denies everything in namespace default, the invalid ALLOW allows nothing in
+    // namespace other, the dry-run one is still not enforced
+    assert_eq!(plaintext_to(&st, "server", 80), denied_by("default/typo"));
+    assert_eq!(alice_to_server(&st, 82), denied_by("default/typo"));
+    assert_eq!(plaintext_to(&st, "elsewhere", 80), Err(Denied::NotAllowed));
+}
+
+#[test]
+fn a_policy_without_a_readable_scope_or_action_fails_the_config() {
+    let yaml = format!(
+        "{WORKLOADS}policies:\n- {{name: ok, namespace: default, scope: Global, action: Deny, rules: []}}\n\
+         - {{name: headless, namespace: default, scope: Global, action: Audit, rules: [[[{{paths: [1]}}]]]}}\n"
+    );
+    let e = parse_local_config(&yaml).expect_err("no action");
+    assert!(e.to_string().contains("policies[1]"), "{e}");
 }
 
 #[test]

@@ -2,7 +2,25 @@
 //! `src/rbac.rs` `Authorization` (proto `istio.security.Authorization`, spec §6).
 //!
 //! They are parsed, validated and kept in the state; [`crate::proxy::authz`] enforces them.
+//!
+//! Two additions to ztunnel's shape, both so that policies fail closed:
+//! - A match may name the L7 (HTTP) attributes of Istio's `AuthorizationPolicy` that an L4 proxy
+//!   cannot check ([`L7Attribute`]: `hosts`, `methods`, `paths`, `headers`, ...). ztunnel's
+//!   `RbacMatch` silently drops unknown keys, which turns an HTTP-only DENY into an empty match
+//!   that never matches (everything allowed); here they are kept as [`PolicyMatch::l7_attributes`]
+//!   and enforced as istiod documents for ambient ("DENY policy with HTTP attributes is enforced
+//!   without the HTTP rules"; "Within an ALLOW policy, rules matching HTTP attributes are
+//!   omitted": `authorization.go` `httpDenyRuleBoilerplate` / `httpAllowRuleBoilerplate`).
+//! - A policy that does not parse (an unknown or ill-typed key anywhere in its body) no longer
+//!   rejects the whole config. As long as its head (`name`, `namespace`, `scope`, `action`,
+//!   `dryRun`) parses, it is kept as a fail-closed stand-in ([`parse_policy`]): a DENY denies every
+//!   connection in its scope, an ALLOW allows nothing (so its scope is limited to what other ALLOW
+//!   policies allow). Dropping it instead would be unsafe either way: a dropped DENY lets through
+//!   what it was written to stop, and a dropped ALLOW can leave a scope without ALLOW policies,
+//!   which allows everything. A policy whose head does not parse cannot be scoped, so it still
+//!   fails the whole config (the node keeps its last good state).
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::net::IpAddr;
 use std::str::FromStr;
@@ -31,6 +49,10 @@ pub struct LocalPolicy {
     /// Evaluate and log only, never enforce.
     #[serde(default)]
     pub dry_run: bool,
+    /// Why the policy as written did not parse, for a fail-closed stand-in built by
+    /// [`parse_policy`] (its `rules` are then [`fail_closed_rules`]). Never read from the config.
+    #[serde(skip_deserializing, skip_serializing_if = "Option::is_none")]
+    pub invalid: Option<String>,
 }
 
 /// `scope` of a policy.
@@ -54,46 +76,197 @@ pub enum PolicyAction {
 }
 
 /// One match of a clause: every non-empty field must match (values of one field are ORed,
-/// `not*` fields must match none of their values).
+/// `not*` fields must match none of their values). See [`crate::proxy::authz`] for how a match
+/// without L4 fields, or with L7 attributes, counts in a DENY and in an ALLOW.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase", from = "MatchWire")]
 pub struct PolicyMatch {
     /// Peer identity namespace.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(skip_serializing_if = "Vec::is_empty")]
     pub namespaces: Vec<StringMatch>,
     /// Peer identity namespace must match none of these.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(skip_serializing_if = "Vec::is_empty")]
     pub not_namespaces: Vec<StringMatch>,
     /// Peer (namespace, service account).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(skip_serializing_if = "Vec::is_empty")]
     pub service_accounts: Vec<ServiceAccountMatch>,
     /// Peer (namespace, service account) must match none of these.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(skip_serializing_if = "Vec::is_empty")]
     pub not_service_accounts: Vec<ServiceAccountMatch>,
     /// Peer SPIFFE id without the `spiffe://` prefix.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(skip_serializing_if = "Vec::is_empty")]
     pub principals: Vec<StringMatch>,
     /// Peer SPIFFE id must match none of these.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(skip_serializing_if = "Vec::is_empty")]
     pub not_principals: Vec<StringMatch>,
     /// TCP source address.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(skip_serializing_if = "Vec::is_empty")]
     pub source_ips: Vec<Cidr>,
     /// TCP source address must be in none of these.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(skip_serializing_if = "Vec::is_empty")]
     pub not_source_ips: Vec<Cidr>,
     /// Final upstream address.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(skip_serializing_if = "Vec::is_empty")]
     pub destination_ips: Vec<Cidr>,
     /// Final upstream address must be in none of these.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(skip_serializing_if = "Vec::is_empty")]
     pub not_destination_ips: Vec<Cidr>,
     /// Final upstream (target) port.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(skip_serializing_if = "Vec::is_empty")]
     pub destination_ports: Vec<u16>,
     /// Final upstream port must be none of these.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(skip_serializing_if = "Vec::is_empty")]
     pub not_destination_ports: Vec<u16>,
+    /// The L7 attributes the match names (non-empty in the config), in [`L7Attribute`] order.
+    /// Their values are not kept: an L4 proxy never evaluates them.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub l7_attributes: Vec<L7Attribute>,
+}
+
+/// An HTTP attribute of Istio's `AuthorizationPolicy` that ztunnel cannot check, as istiod names
+/// them when it converts a policy for ambient (`authorization.go` `httpOperations`,
+/// `httpSources`); `headers` stands for `when` conditions on `request.headers[...]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub enum L7Attribute {
+    /// `hosts` (HTTP `Host` / `:authority`).
+    Hosts,
+    /// `notHosts`.
+    NotHosts,
+    /// `methods`.
+    Methods,
+    /// `notMethods`.
+    NotMethods,
+    /// `paths`.
+    Paths,
+    /// `notPaths`.
+    NotPaths,
+    /// `requestPrincipals` (JWT issuer/subject).
+    RequestPrincipals,
+    /// `notRequestPrincipals`.
+    NotRequestPrincipals,
+    /// `remoteIpBlocks` (from `X-Forwarded-For`).
+    RemoteIpBlocks,
+    /// `notRemoteIpBlocks`.
+    NotRemoteIpBlocks,
+    /// `headers`: header name -> values.
+    Headers,
+}
+
+/// [`PolicyMatch`] as written: the L4 fields, plus the L7 attributes with their values (which
+/// are checked for type and then reduced to their names). Rejects unknown keys.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct MatchWire {
+    #[serde(default)]
+    namespaces: Vec<StringMatch>,
+    #[serde(default)]
+    not_namespaces: Vec<StringMatch>,
+    #[serde(default)]
+    service_accounts: Vec<ServiceAccountMatch>,
+    #[serde(default)]
+    not_service_accounts: Vec<ServiceAccountMatch>,
+    #[serde(default)]
+    principals: Vec<StringMatch>,
+    #[serde(default)]
+    not_principals: Vec<StringMatch>,
+    #[serde(default)]
+    source_ips: Vec<Cidr>,
+    #[serde(default)]
+    not_source_ips: Vec<Cidr>,
+    #[serde(default)]
+    destination_ips: Vec<Cidr>,
+    #[serde(default)]
+    not_destination_ips: Vec<Cidr>,
+    #[serde(default)]
+    destination_ports: Vec<u16>,
+    #[serde(default)]
+    not_destination_ports: Vec<u16>,
+    #[serde(default)]
+    hosts: Vec<String>,
+    #[serde(default)]
+    not_hosts: Vec<String>,
+    #[serde(default)]
+    methods: Vec<String>,
+    #[serde(default)]
+    not_methods: Vec<String>,
+    #[serde(default)]
+    paths: Vec<String>,
+    #[serde(default)]
+    not_paths: Vec<String>,
+    #[serde(default)]
+    request_principals: Vec<String>,
+    #[serde(default)]
+    not_request_principals: Vec<String>,
+    #[serde(default)]
+    remote_ip_blocks: Vec<String>,
+    #[serde(default)]
+    not_remote_ip_blocks: Vec<String>,
+    #[serde(default)]
+    headers: BTreeMap<String, Vec<String>>,
+}
+
+impl From<MatchWire> for PolicyMatch {
+    fn from(w: MatchWire) -> PolicyMatch {
+        let l7_attributes = [
+            (L7Attribute::Hosts, w.hosts.is_empty()),
+            (L7Attribute::NotHosts, w.not_hosts.is_empty()),
+            (L7Attribute::Methods, w.methods.is_empty()),
+            (L7Attribute::NotMethods, w.not_methods.is_empty()),
+            (L7Attribute::Paths, w.paths.is_empty()),
+            (L7Attribute::NotPaths, w.not_paths.is_empty()),
+            (
+                L7Attribute::RequestPrincipals,
+                w.request_principals.is_empty(),
+            ),
+            (
+                L7Attribute::NotRequestPrincipals,
+                w.not_request_principals.is_empty(),
+            ),
+            (L7Attribute::RemoteIpBlocks, w.remote_ip_blocks.is_empty()),
+            (
+                L7Attribute::NotRemoteIpBlocks,
+                w.not_remote_ip_blocks.is_empty(),
+            ),
+            (L7Attribute::Headers, w.headers.is_empty()),
+        ]
+        .into_iter()
+        .filter_map(|(a, empty)| (!empty).then_some(a))
+        .collect();
+        PolicyMatch {
+            namespaces: w.namespaces,
+            not_namespaces: w.not_namespaces,
+            service_accounts: w.service_accounts,
+            not_service_accounts: w.not_service_accounts,
+            principals: w.principals,
+            not_principals: w.not_principals,
+            source_ips: w.source_ips,
+            not_source_ips: w.not_source_ips,
+            destination_ips: w.destination_ips,
+            not_destination_ips: w.not_destination_ips,
+            destination_ports: w.destination_ports,
+            not_destination_ports: w.not_destination_ports,
+            l7_attributes,
+        }
+    }
+}
+
+impl PolicyMatch {
+    /// Whether no L4 field is set (L7 attributes aside): nothing an L4 proxy can check.
+    pub fn is_l4_empty(&self) -> bool {
+        self.namespaces.is_empty()
+            && self.not_namespaces.is_empty()
+            && self.service_accounts.is_empty()
+            && self.not_service_accounts.is_empty()
+            && self.principals.is_empty()
+            && self.not_principals.is_empty()
+            && self.source_ips.is_empty()
+            && self.not_source_ips.is_empty()
+            && self.destination_ips.is_empty()
+            && self.not_destination_ips.is_empty()
+            && self.destination_ports.is_empty()
+            && self.not_destination_ports.is_empty()
+    }
 }
 
 /// A string matcher: `{Exact: "x"}`, `{Prefix: "x"}`, `{Suffix: "x"}` or `Presence`
@@ -284,4 +457,104 @@ impl<'de> Deserialize<'de> for Cidr {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         d.deserialize_str(FromStrVisitor::new("an `ip/len` or `ip` string"))
     }
+}
+
+// === parsing policy by policy ===
+
+/// The rules of a fail-closed stand-in for a policy with `action`: for a DENY one rule without
+/// clauses (it matches every connection), for an ALLOW none (it never matches).
+pub fn fail_closed_rules(action: PolicyAction) -> Vec<Vec<Vec<PolicyMatch>>> {
+    match action {
+        PolicyAction::Deny => vec![Vec::new()],
+        PolicyAction::Allow => Vec::new(),
+    }
+}
+
+/// What a policy that does not parse must still give to be scoped: its key, scope and action.
+/// Other keys are ignored here.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct PolicyHead {
+    name: String,
+    #[serde(default)]
+    namespace: String,
+    scope: PolicyScope,
+    action: PolicyAction,
+    #[serde(default)]
+    dry_run: bool,
+}
+
+/// Parses `policies[index]` of the local config from its YAML value. A policy whose body does not
+/// parse becomes its fail-closed stand-in (see the module docs), with the reason in
+/// [`LocalPolicy::invalid`] and in a warning naming the policy.
+///
+/// # Errors
+/// The policy's head (`name`, `namespace`, `scope`, `action`, `dryRun`) does not parse: the
+/// policy cannot be scoped, the message names `policies[index]`.
+pub fn parse_policy(index: usize, value: &serde_yaml_ng::Value) -> Result<LocalPolicy, String> {
+    let err = match LocalPolicy::deserialize(value) {
+        Ok(p) => return Ok(p),
+        Err(e) => e,
+    };
+    let head = PolicyHead::deserialize(value).map_err(|e| format!("policies[{index}]: {e}"))?;
+    let reason = format!(
+        "policies[{index}]{}",
+        locate(value).unwrap_or_else(|| format!(": {err}"))
+    );
+    let key = format!("{}/{}", head.namespace, head.name);
+    let enforced = match head.action {
+        PolicyAction::Deny => "denies every connection in its scope",
+        PolicyAction::Allow => "allows nothing",
+    };
+    tracing::warn!(policy = %key, error = %reason, "invalid authorization policy; enforced fail-closed: it {enforced}");
+    Ok(LocalPolicy {
+        rules: fail_closed_rules(head.action),
+        name: head.name,
+        namespace: head.namespace,
+        scope: head.scope,
+        action: head.action,
+        dry_run: head.dry_run,
+        invalid: Some(reason),
+    })
+}
+
+/// `.rules[i][j][k]<place in the match>: <error>` for the first match of `policy` that does not
+/// parse, if any (a value deserializer does not track the place of an error itself).
+fn locate(policy: &serde_yaml_ng::Value) -> Option<String> {
+    let rules = policy.get("rules")?.as_sequence()?;
+    for (i, rule) in rules.iter().enumerate() {
+        for (j, clause) in rule.as_sequence()?.iter().enumerate() {
+            for (k, m) in clause.as_sequence()?.iter().enumerate() {
+                if let Err(e) = PolicyMatch::deserialize(m) {
+                    let (place, e) = locate_in_match(m).unwrap_or((String::new(), e));
+                    return Some(format!(".rules[{i}][{j}][{k}]{place}: {e}"));
+                }
+            }
+        }
+    }
+    None
+}
+
+/// The key (and list index) of match `m` that does not parse, `.key` or `.key[n]`, with its
+/// error: each key is tried alone, then each element of its list alone.
+fn locate_in_match(m: &serde_yaml_ng::Value) -> Option<(String, serde_yaml_ng::Error)> {
+    use serde_yaml_ng::{Mapping, Value};
+    for (key, value) in m.as_mapping()? {
+        let alone = |v: Value| {
+            let mut one = Mapping::new();
+            one.insert(key.clone(), v);
+            PolicyMatch::deserialize(&Value::Mapping(one)).err()
+        };
+        let Some(e) = alone(value.clone()) else {
+            continue;
+        };
+        let name = key.as_str().unwrap_or("?");
+        let element = value.as_sequence().and_then(|items| {
+            items.iter().enumerate().find_map(|(n, item)| {
+                alone(Value::Sequence(vec![item.clone()])).map(|e| (format!(".{name}[{n}]"), e))
+            })
+        });
+        return Some(element.unwrap_or((format!(".{name}"), e)));
+    }
+    None
 }

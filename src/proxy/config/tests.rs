@@ -160,12 +160,73 @@ fn unknown_keys_in_nested_records_are_named() {
         "{MINIMAL_WORKLOAD}  locality:\n    region: r\n    planet: earth\n"
     ));
     assert_mentions(&t, &["workloads[0].locality", "unknown field `planet`"]);
-    let t = err_text(
-        "policies:\n- name: p\n  scope: Global\n  action: Deny\n  rules: [[[{sourceIp: [\"1.2.3.4\"]}]]]\n",
+    // in a policy body, an unknown key fails that policy only (kept as a fail-closed stand-in),
+    // with the same place in its reason
+    let cfg = parse_local_config(
+        "policies:\n- name: p\n  scope: Global\n  action: Deny\n  rules: [[[{sourceIp: [\"1.2.3.4\"]}]]]\n\
+         - {name: q, scope: Global, action: Allow, rules: [[[{destinationPorts: [80]}]]]}\n",
+    )
+    .unwrap();
+    let p = &cfg.policies[0];
+    assert_eq!(p.rules, fail_closed_rules(PolicyAction::Deny));
+    let reason = p.invalid.as_deref().unwrap();
+    assert_mentions(
+        reason,
+        &["policies[0].rules[0][0][0]", "unknown field `sourceIp`"],
+    );
+    assert_eq!(cfg.policies[1].invalid, None);
+    assert_eq!(cfg.policies[1].rules[0][0][0].destination_ports, [80]);
+    // outside a match, the reason names the key
+    let cfg = parse_local_config(
+        "policies:\n- {name: p, scope: Global, action: Allow, selector: {app: x}, rules: []}\n",
+    )
+    .unwrap();
+    assert_eq!(
+        cfg.policies[0].rules,
+        fail_closed_rules(PolicyAction::Allow)
     );
     assert_mentions(
-        &t,
-        &["policies[0].rules[0][0][0]", "unknown field `sourceIp`"],
+        cfg.policies[0].invalid.as_deref().unwrap(),
+        &["policies[0]", "unknown field `selector`"],
+    );
+    // an error outside the policies still fails the config, with the parser's place
+    let t = err_text(&format!(
+        "{MINIMAL_WORKLOAD}  planet: earth\npolicies:\n- {{name: p, scope: Global, action: Allow, bogus: 1}}\n"
+    ));
+    assert_mentions(&t, &["workloads[0]", "unknown field `planet`", "line"]);
+}
+
+#[test]
+fn l7_attributes_are_named_in_the_match_and_typed() {
+    let cfg = parse_local_config(
+        "policies:\n- {name: p, scope: Global, action: Deny, rules: [[[{destinationPorts: [80], paths: [/a], \
+         notMethods: [GET], headers: {x-a: [b]}, hosts: []}]]]}\n",
+    )
+    .unwrap();
+    let m = &cfg.policies[0].rules[0][0][0];
+    assert_eq!(
+        m.l7_attributes,
+        [
+            L7Attribute::NotMethods,
+            L7Attribute::Paths,
+            L7Attribute::Headers
+        ],
+        "in enum order, empty ones left out"
+    );
+    assert!(!m.is_l4_empty());
+    let dump = serde_json::to_value(m).unwrap();
+    assert_eq!(
+        dump,
+        serde_json::json!({"destinationPorts": [80], "l7Attributes": ["notMethods", "paths", "headers"]})
+    );
+    // a wrongly typed L7 value makes the policy invalid, like any other key
+    let cfg = parse_local_config(
+        "policies:\n- {name: p, scope: Global, action: Deny, rules: [[[{paths: /a}]]]}\n",
+    )
+    .unwrap();
+    assert_mentions(
+        cfg.policies[0].invalid.as_deref().unwrap(),
+        &["policies[0].rules[0][0][0].paths", "expected a sequence"],
     );
 }
 
@@ -279,15 +340,21 @@ policies:
     assert_eq!(m.destination_ips[0].prefix_len, 32);
 }
 
+/// The reason the only policy of `yaml` is invalid (the config itself parses).
+fn invalid_reason(yaml: &str) -> String {
+    let cfg = parse_local_config(yaml).unwrap();
+    cfg.policies[0].invalid.clone().expect("an invalid policy")
+}
+
 #[test]
 fn bad_string_match_is_named() {
     let base = "policies:\n- name: p\n  scope: Global\n  action: Deny\n  rules: [[[{namespaces: ";
-    let t = err_text(&format!("{base}[{{Contains: x}}]}}]]]\n"));
+    let t = invalid_reason(&format!("{base}[{{Contains: x}}]}}]]]\n"));
     assert_mentions(
         &t,
         &["policies[0].rules[0][0][0].namespaces[0]", "Contains"],
     );
-    let t = err_text(&format!("{base}[{{Exact: x, Prefix: y}}]}}]]]\n"));
+    let t = invalid_reason(&format!("{base}[{{Exact: x, Prefix: y}}]}}]]]\n"));
     assert_mentions(
         &t,
         &[
@@ -295,13 +362,13 @@ fn bad_string_match_is_named() {
             "exactly one key",
         ],
     );
-    let t = err_text(&format!("{base}[Absence]}}]]]\n"));
-    assert_mentions(&t, &["namespaces[0]", "Absence"]);
+    let t = invalid_reason(&format!("{base}[Presence, Absence]}}]]]\n"));
+    assert_mentions(&t, &["namespaces[1]", "Absence"]);
 }
 
 #[test]
 fn bad_cidr_is_named() {
-    let t = err_text(
+    let t = invalid_reason(
         "policies:\n- name: p\n  scope: Global\n  action: Deny\n  rules: [[[{sourceIps: [\"10.0.0.0/8\", \"10.0.0.0/40\"]}]]]\n",
     );
     assert_mentions(&t, &["policies[0].rules[0][0][0].sourceIps[1]", "0..=32"]);

@@ -309,6 +309,7 @@ pub fn authorization(p: &sec::Authorization) -> Result<LocalPolicy, ConvertError
         action,
         rules,
         dry_run: p.dry_run,
+        invalid: None,
     })
 }
 
@@ -446,6 +447,9 @@ fn policy_match(m: &sec::Match) -> Result<PolicyMatch, ConvertError> {
         not_destination_ports: all(&m.not_destination_ports, |&p| {
             port(p, "match.not_destination_ports")
         })?,
+        // istiod leaves HTTP attributes out of what it sends ztunnel (a DENY's HTTP-only match
+        // arrives empty); see `proxy::authz` for how that counts.
+        l7_attributes: Vec::new(),
     })
 }
 
