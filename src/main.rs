@@ -511,6 +511,7 @@ fn proxy_config(
         readiness_addr: p.readiness_addr,
         metrics_addr: p.metrics_addr,
         identity_from_handoff: p.identity_from_handoff,
+        pool: env.pool,
     }
 }
 

@@ -77,11 +77,15 @@ pub struct ProxyConfig {
     /// Serve pods the workload state does not list with their handoff identity (Kubernetes
     /// mode: the agent vouches for them; ztunnel does the same with ZDS `WorkloadInfo`).
     pub identity_from_handoff: bool,
+    /// The outbound HBONE pool of every pod (ztunnel `POOL_MAX_STREAMS_PER_CONNECTION`,
+    /// `POOL_UNUSED_RELEASE_TIMEOUT`).
+    pub pool: pool::PoolConfig,
 }
 
 impl ProxyConfig {
     /// Istio's defaults with the built-in CA in `ca_dir`: 24 h certificates, mark `0x539`, the
-    /// node endpoints on 15000/15021/15020.
+    /// node endpoints on 15000/15021/15020, ztunnel's pool settings (100 streams open at once
+    /// per connection, unused connections released after 5 min).
     pub fn new(ca_dir: PathBuf) -> ProxyConfig {
         ProxyConfig {
             cert_source: CertSource::BuiltIn { ca_dir },
@@ -92,6 +96,7 @@ impl ProxyConfig {
             readiness_addr: mesh::DEFAULT_READINESS_ADDR,
             metrics_addr: mesh::DEFAULT_METRICS_ADDR,
             identity_from_handoff: false,
+            pool: pool::PoolConfig::default(),
         }
     }
 }
@@ -160,6 +165,7 @@ pub fn start(
         metrics: Metrics::default(),
         mark: cfg.packet_mark,
         identity_from_handoff: cfg.identity_from_handoff,
+        pool: cfg.pool,
     });
     let manager = ProxyManager::new(ctx);
     let (link, rx) = zds::in_process();

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use crate::mesh::PacketMark;
 use crate::proxy::identity::{CertManager, Identity};
 use crate::proxy::metrics::Metrics;
-use crate::proxy::pool::Pool;
+use crate::proxy::pool::{Pool, PoolConfig};
 use crate::proxy::socket::PodSockets;
 use crate::proxy::state::{StateHandle, Workload};
 
@@ -28,6 +28,8 @@ pub struct ProxyContext {
     /// Serve a pod the workload state does not know with the identity of its handoff
     /// (Kubernetes mode) instead of refusing it after [`crate::proxy::manager`]'s wait.
     pub identity_from_handoff: bool,
+    /// Settings of every pod's outbound pool (ztunnel's `POOL_*` env).
+    pub pool: PoolConfig,
 }
 
 /// The running proxy of one pod (shared by its connection tasks).
