@@ -504,6 +504,7 @@ fn proxy_config(
         admin_addr: p.admin_addr,
         readiness_addr: p.readiness_addr,
         metrics_addr: p.metrics_addr,
+        pool: env.pool,
     }
 }
 

@@ -75,11 +75,15 @@ pub struct ProxyConfig {
     pub readiness_addr: SocketAddr,
     /// Metrics listener (`/metrics`), default [`mesh::DEFAULT_METRICS_ADDR`].
     pub metrics_addr: SocketAddr,
+    /// The outbound HBONE pool of every pod (ztunnel `POOL_MAX_STREAMS_PER_CONNECTION`,
+    /// `POOL_UNUSED_RELEASE_TIMEOUT`).
+    pub pool: pool::PoolConfig,
 }
 
 impl ProxyConfig {
     /// Istio's defaults with the built-in CA in `ca_dir`: 24 h certificates, mark `0x539`, the
-    /// node endpoints on 15000/15021/15020.
+    /// node endpoints on 15000/15021/15020, ztunnel's pool settings (100 streams open at once
+    /// per connection, unused connections released after 5 min).
     pub fn new(ca_dir: PathBuf) -> ProxyConfig {
         ProxyConfig {
             cert_source: CertSource::BuiltIn { ca_dir },
@@ -89,6 +93,7 @@ impl ProxyConfig {
             admin_addr: mesh::DEFAULT_ADMIN_ADDR,
             readiness_addr: mesh::DEFAULT_READINESS_ADDR,
             metrics_addr: mesh::DEFAULT_METRICS_ADDR,
+            pool: pool::PoolConfig::default(),
         }
     }
 }
@@ -157,6 +162,7 @@ pub fn start(
         metrics: Metrics::default(),
         mark: cfg.packet_mark,
         local: Default::default(),
+        pool: cfg.pool,
     });
     let manager = ProxyManager::new(ctx);
     let (link, rx) = zds::in_process();

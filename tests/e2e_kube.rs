@@ -73,6 +73,7 @@ impl KubeNode {
                 extra_config,
                 log_level: "info",
                 node_args: &args,
+                node_env: &[],
                 pods: [
                     ("client", "default"),
                     ("server", "default"),

@@ -153,6 +153,7 @@ fn start_mesh(exe: &Path) -> anyhow::Result<MeshLab<2>> {
         extra_config: "",
         log_level: "info",
         node_args: &node_args,
+        node_env: &[],
         pods: [("client", "default"), ("server", "default")],
     };
     step(

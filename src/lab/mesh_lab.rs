@@ -23,6 +23,8 @@ pub struct MeshSpec<'a, const N: usize> {
     pub log_level: &'a str,
     /// Arguments appended to `ztnode node --config <config> --run-dir <run dir>`.
     pub node_args: &'a [OsString],
+    /// Environment added to the node's (e.g. ztunnel's `POOL_MAX_STREAMS_PER_CONNECTION`).
+    pub node_env: &'a [(String, String)],
     /// Pods `(name, namespace)` added through the CNI chain, in this order, once the node runs.
     pub pods: [(&'a str, &'a str); N],
 }
@@ -82,8 +84,10 @@ impl<const N: usize> MeshLab<N> {
             what: format!("write {}", config.display()),
             source,
         })?;
+        let mut args: Vec<OsString> = vec!["--config".into(), config.clone().into()];
+        args.extend_from_slice(spec.node_args);
         let (node, log) =
-            lab.start_node(spec.exe, &config, &run_dir, spec.log_level, spec.node_args)?;
+            lab.start_node_with(spec.exe, &run_dir, &args, spec.node_env, spec.log_level)?;
         observe(MeshStage::NodeStarted {
             lab: &lab,
             pid: node.0.id(),

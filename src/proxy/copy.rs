@@ -8,6 +8,12 @@
 //! HTTP/2 data is written out without a copy. An app's FIN found right after a short read goes out
 //! as END_STREAM on that read's last DATA frame (RFC 9113 §6.1), not in an empty frame of its
 //! own.
+//!
+//! Bytes are counted as they are handed on (written to the socket, or given to h2 for the stream),
+//! as ztunnel's `src/copy.rs` counts each write (`increment_send`/`increment_recv` after every
+//! `poll_write_buf`): a relay that ends with an error still reports what it moved
+//! ([`CopyError::transferred`]), for the access log and the byte counters. (ztunnel's counters
+//! also move while the connection lives; ztnode's are added when it ends.)
 
 use std::future::Future;
 use std::io;
@@ -26,32 +32,30 @@ const SMALL_BUF: usize = 16 * 1024;
 const LARGE_BUF: usize = 1024 * 1024;
 
 /// The read size of one copy direction, adapted to how full the previous reads came back. A
-/// `u32` (it never exceeds [`LARGE_BUF`]), so that [`Up`] packs it with its flags into one word and
-/// a relaying task stays within its task cell (see `proxy::task`).
+/// `u32` (sizes stay within [`LARGE_BUF`]): with the flags next to it, it keeps every relay, and
+/// so every relaying task, 8 bytes smaller than a `usize` would (see [`crate::proxy::task`]).
 #[derive(Debug, Clone, Copy)]
 struct ReadSize(u32);
+
+const _: () = assert!(LARGE_BUF <= u32::MAX as usize);
 
 impl ReadSize {
     fn new() -> Self {
         ReadSize(SMALL_BUF as u32)
     }
 
-    /// The next read's buffer size, bytes.
+    /// The size of the next read, bytes.
     fn get(self) -> usize {
         self.0 as usize
     }
 
     /// Adjusts after a read of `n` bytes into a buffer of `cap` bytes.
     fn update(&mut self, n: usize, cap: usize) {
-        let next = if n >= cap {
-            (self.get() * 4).min(LARGE_BUF)
+        if n >= cap {
+            self.0 = (self.0 * 4).min(LARGE_BUF as u32);
         } else if n < SMALL_BUF {
-            SMALL_BUF
-        } else {
-            return;
-        };
-        // both bounds are far below u32::MAX
-        self.0 = next as u32;
+            self.0 = SMALL_BUF as u32;
+        }
     }
 }
 
@@ -62,6 +66,21 @@ pub struct Transferred {
     pub sent: u64,
     /// From the peer towards the local TCP connection.
     pub received: u64,
+}
+
+/// A relay that ended with an error, and what it had moved until then.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "relay failed after {} bytes sent and {} received",
+    .transferred.sent,
+    .transferred.received
+)]
+pub struct CopyError {
+    /// What ended the relay (the first error of either direction).
+    #[source]
+    pub error: io::Error,
+    /// Bytes both directions had moved when it did.
+    pub transferred: Transferred,
 }
 
 fn h2_io(e: h2::Error) -> io::Error {
@@ -89,16 +108,27 @@ async fn read_chunk<R: ReadReady>(
     std::future::poll_fn(|cx| poll_read_chunk(reader, size, cx)).await
 }
 
-/// Copies `reader` into `writer` until EOF, then half-closes `writer`; buffers only while data flows.
-async fn tcp_to_tcp(mut reader: OwnedReadHalf, mut writer: OwnedWriteHalf) -> io::Result<u64> {
-    let mut total = 0u64;
+/// Copies `reader` into `writer` until EOF, then half-closes `writer`; buffers only while data
+/// flows. Every byte written is added to `total` as it goes, so it holds the count also when an
+/// error ends the copy.
+async fn tcp_to_tcp(
+    mut reader: OwnedReadHalf,
+    mut writer: OwnedWriteHalf,
+    total: &mut u64,
+) -> io::Result<()> {
     let mut size = ReadSize::new();
     while let Some(buf) = read_chunk(&mut reader, &mut size).await? {
-        total += buf.len() as u64;
-        writer.write_all(&buf).await?;
+        let mut rest = &buf[..];
+        while !rest.is_empty() {
+            let n = writer.write(rest).await?;
+            if n == 0 {
+                return Err(io::ErrorKind::WriteZero.into());
+            }
+            *total += n as u64;
+            rest = &rest[n..];
+        }
     }
-    writer.shutdown().await?;
-    Ok(total)
+    writer.shutdown().await
 }
 
 /// Relays between a TCP connection and an HBONE stream in both directions (see module docs).
@@ -125,7 +155,7 @@ pub fn relay_h2(tcp: TcpStream, send: SendStream<Bytes>, recv: RecvStream) -> H2
 
 /// The future of [`relay_h2`]: both copy directions in one small state machine (an idle relay is
 /// a few hundred bytes, no buffers). Resolves when both directions finished, or with the first
-/// error, which ends both.
+/// error, which ends both (with the bytes moved until then).
 #[derive(Debug)]
 pub struct H2Relay {
     tcp: TcpStream,
@@ -141,6 +171,7 @@ struct Up {
     /// Read but not yet handed to h2 (waiting for send capacity).
     pending: Option<Bytes>,
     size: ReadSize,
+    /// Bytes handed to h2.
     total: u64,
     /// The last read returned less than its buffer held.
     short: bool,
@@ -149,9 +180,8 @@ struct Up {
 }
 
 impl Up {
-    /// Counts a read chunk and notes whether it was short; returns it ready to send.
+    /// Notes whether a read chunk was short; returns it ready to send.
     fn take(&mut self, buf: BytesMut) -> Bytes {
-        self.total += buf.len() as u64;
         self.short = buf.len() < buf.capacity();
         buf.freeze()
     }
@@ -162,6 +192,7 @@ impl Up {
 struct Down {
     /// Received but not yet written to the socket.
     pending: Option<Bytes>,
+    /// Bytes written to the socket.
     total: u64,
     /// The stream ended; the socket still needs its write side shut down.
     eof: bool,
@@ -170,26 +201,23 @@ struct Down {
 }
 
 impl Future for H2Relay {
-    type Output = io::Result<Transferred>;
+    type Output = Result<Transferred, CopyError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
         // Pending from one direction only means it waits; the other one still gets polled.
         if !this.up.done
-            && let Poll::Ready(Err(e)) = this.poll_up(cx)
+            && let Poll::Ready(Err(error)) = this.poll_up(cx)
         {
-            return Poll::Ready(Err(e));
+            return Poll::Ready(Err(this.failed(error)));
         }
         if !this.down.done
-            && let Poll::Ready(Err(e)) = this.poll_down(cx)
+            && let Poll::Ready(Err(error)) = this.poll_down(cx)
         {
-            return Poll::Ready(Err(e));
+            return Poll::Ready(Err(this.failed(error)));
         }
         if this.up.done && this.down.done {
-            Poll::Ready(Ok(Transferred {
-                sent: this.up.total,
-                received: this.down.total,
-            }))
+            Poll::Ready(Ok(this.transferred()))
         } else {
             Poll::Pending
         }
@@ -197,6 +225,23 @@ impl Future for H2Relay {
 }
 
 impl H2Relay {
+    /// Bytes moved so far.
+    /// Bytes moved in each direction so far.
+    pub fn transferred(&self) -> Transferred {
+        Transferred {
+            sent: self.up.total,
+            received: self.down.total,
+        }
+    }
+
+    /// `error` ending the relay, with the bytes moved until then.
+    fn failed(&self, error: io::Error) -> CopyError {
+        CopyError {
+            error,
+            transferred: self.transferred(),
+        }
+    }
+
     /// Moves TCP data into the HBONE stream until it would block, EOF (END_STREAM) or an error.
     fn poll_up(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         loop {
@@ -226,8 +271,10 @@ impl H2Relay {
                 }
             }
             let part = chunk.split_to(cap.min(chunk.len()));
+            let n = part.len() as u64;
             if !chunk.is_empty() {
                 self.send.send_data(part, false).map_err(h2_io)?;
+                self.up.total += n;
                 continue;
             }
             self.up.pending = None;
@@ -237,6 +284,7 @@ impl H2Relay {
             match self.poll_fin_after_short_read(cx) {
                 Ok(end) => {
                     self.send.send_data(part, end).map_err(h2_io)?;
+                    self.up.total += n;
                     if end {
                         self.up.done = true;
                         return Poll::Ready(Ok(()));
@@ -244,7 +292,9 @@ impl H2Relay {
                 }
                 Err(e) => {
                     // Deliver what was read; the error ends the relay.
-                    let _ = self.send.send_data(part, false);
+                    if self.send.send_data(part, false).is_ok() {
+                        self.up.total += n;
+                    }
                     return Poll::Ready(Err(e));
                 }
             }
@@ -357,12 +407,23 @@ fn poll_read_chunk<R: ReadReady>(
     Poll::Ready(Ok(Some(buf)))
 }
 
-/// Relays between two TCP connections (plain passthrough), half-close propagated.
-pub async fn relay_tcp(local: TcpStream, remote: TcpStream) -> io::Result<Transferred> {
+/// Relays between two TCP connections (plain passthrough), half-close propagated; the first error
+/// of either direction ends both, with the bytes moved until then.
+pub async fn relay_tcp(local: TcpStream, remote: TcpStream) -> Result<Transferred, CopyError> {
     let (lr, lw) = local.into_split();
     let (rr, rw) = remote.into_split();
-    let (sent, received) = tokio::try_join!(tcp_to_tcp(lr, rw), tcp_to_tcp(rr, lw))?;
-    Ok(Transferred { sent, received })
+    let mut t = Transferred::default();
+    let res = tokio::try_join!(
+        tcp_to_tcp(lr, rw, &mut t.sent),
+        tcp_to_tcp(rr, lw, &mut t.received)
+    );
+    match res {
+        Ok(((), ())) => Ok(t),
+        Err(error) => Err(CopyError {
+            error,
+            transferred: t,
+        }),
+    }
 }
 
 #[cfg(test)]
@@ -567,5 +628,89 @@ mod tests {
         s_send.send_reset(h2::Reason::INTERNAL_ERROR);
         let res = relay.await.expect("relay task");
         assert!(res.is_err(), "{res:?}");
+    }
+
+    /// The peer resets the stream after taking part of an upload and answering a little: the
+    /// relay ends with the error and the bytes both directions moved until then.
+    #[tokio::test]
+    async fn a_reset_mid_transfer_keeps_the_bytes_moved() {
+        const TAKEN: usize = 256 * 1024;
+        let ((c_send, c_recv), (mut s_send, mut s_recv)) = h2_pair().await;
+        let (app, proxy_side) = tcp_pair().await;
+        let relay = tokio::spawn(relay_h2(proxy_side, c_send, c_recv));
+        let (mut r, mut w) = app.into_split();
+        s_send
+            .send_data(Bytes::from(vec![1u8; 1000]), false)
+            .expect("answer");
+        let mut answer = vec![0u8; 1000];
+        r.read_exact(&mut answer).await.expect("answer read");
+        let upload = tokio::spawn(async move {
+            let _ = w.write_all(&vec![2u8; 4 << 20]).await;
+            w
+        });
+        let mut got = 0;
+        while got < TAKEN {
+            let chunk = s_recv.data().await.expect("data").expect("ok");
+            s_recv
+                .flow_control()
+                .release_capacity(chunk.len())
+                .expect("release");
+            got += chunk.len();
+        }
+        s_send.send_reset(h2::Reason::INTERNAL_ERROR);
+        let err = relay
+            .await
+            .expect("relay task")
+            .expect_err("a reset ends the relay with an error");
+        assert!(
+            err.transferred.sent >= TAKEN as u64,
+            "sent {} < {TAKEN}: {err}",
+            err.transferred.sent
+        );
+        assert!(err.transferred.sent <= 4 << 20, "{err}");
+        assert_eq!(err.transferred.received, 1000, "{err}");
+        assert!(err.to_string().contains("bytes sent"), "{err}");
+        drop(r);
+        upload.abort();
+    }
+
+    /// The remote of a plain relay reads part of an upload, then closes with a reset (SO_LINGER
+    /// 0): the relay ends with the error and what it moved both ways.
+    #[tokio::test]
+    async fn a_plain_relay_reset_mid_transfer_keeps_the_bytes_moved() {
+        const TAKEN: usize = 256 * 1024;
+        let (app, local) = tcp_pair().await;
+        let (remote, mut server) = tcp_pair().await;
+        let relay = tokio::spawn(relay_tcp(local, remote));
+        server.write_all(b"hello").await.expect("greet");
+        let (mut r, mut w) = app.into_split();
+        let mut hello = [0u8; 5];
+        r.read_exact(&mut hello).await.expect("greeting");
+        let upload = tokio::spawn(async move {
+            let _ = w.write_all(&vec![3u8; 4 << 20]).await;
+            let _ = w.shutdown().await;
+            w
+        });
+        let mut buf = vec![0u8; TAKEN];
+        server
+            .read_exact(&mut buf)
+            .await
+            .expect("part of the upload");
+        socket2::SockRef::from(&server)
+            .set_linger(Some(std::time::Duration::ZERO))
+            .expect("SO_LINGER 0");
+        drop(server);
+        let err = relay
+            .await
+            .expect("relay task")
+            .expect_err("a reset ends the relay with an error");
+        assert!(
+            err.transferred.sent >= TAKEN as u64,
+            "sent {} < {TAKEN}: {err}",
+            err.transferred.sent
+        );
+        assert_eq!(err.transferred.received, 5, "{err}");
+        drop(r);
+        upload.abort();
     }
 }

@@ -14,7 +14,8 @@ pub const FRAME_SIZE: u32 = 1024 * 1024;
 /// read of the app can be handed to h2 at once, without the 4 MiB a whole window would allow
 /// (which measured slower: more data in flight through the caches).
 pub const SEND_BUFFER: usize = 1024 * 1024;
-/// Streams per pooled connection before a new one is dialed (`POOL_MAX_STREAMS_PER_CONNECTION`).
+/// Default cap on the streams open at once on one pooled connection before another one is dialed
+/// (ztunnel `POOL_MAX_STREAMS_PER_CONNECTION`, default 100; see [`crate::proxy::pool::PoolConfig`]).
 pub const MAX_STREAMS_PER_CONNECTION: usize = 100;
 /// Max concurrent streams the server accepts per connection.
 pub const SERVER_MAX_STREAMS: u32 = 200;

@@ -291,7 +291,8 @@ pub fn handle_plaintext(
 }
 
 /// A plaintext inbound relay (boxed: the rare path).
-type Plaintext = std::pin::Pin<Box<dyn Future<Output = std::io::Result<copy::Transferred>> + Send>>;
+type Plaintext =
+    std::pin::Pin<Box<dyn Future<Output = Result<copy::Transferred, copy::CopyError>> + Send>>;
 
 /// Everything before the plaintext relay: original destination, the checks, the app connect.
 async fn plaintext_setup(

@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use super::control::{CallAuth, ControlEndpoint, ControlError, RootSource};
 use super::identity::DEFAULT_TRUST_DOMAIN;
+use super::pool::PoolConfig;
 
 /// Default bearer token file (ztunnel `AUTH_TOKEN` default, relative to the working dir `/`).
 pub const DEFAULT_TOKEN_FILE: &str = "./var/run/secrets/tokens/istio-token";
@@ -33,8 +34,6 @@ const UNSUPPORTED: &[&str] = &[
     "LOCAL_XDS",
     "INPOD_PORT_REUSE",
     "ZTUNNEL_WORKER_THREADS",
-    "POOL_MAX_STREAMS_PER_CONNECTION",
-    "POOL_UNUSED_RELEASE_TIMEOUT",
     "HTTP2_STREAM_WINDOW_SIZE",
     "HTTP2_CONNECTION_WINDOW_SIZE",
     "HTTP2_FRAME_SIZE",
@@ -62,13 +61,27 @@ const UNSUPPORTED: &[&str] = &[
 /// What [`IstioEnv::from_vars`] rejects.
 #[derive(Debug, thiserror::Error)]
 pub enum EnvError {
-    /// A duration (`SECRET_TTL`) does not parse.
-    #[error("{name}={value:?} is not a duration of at least 1 s like `24h`, `90m` or `3600s`")]
+    /// A duration (`SECRET_TTL`, `POOL_UNUSED_RELEASE_TIMEOUT`) does not parse or is too short.
+    #[error("{name}={value:?} is not a duration{} like `24h`, `5m` or `90s`", at_least(*.min))]
     Duration {
         /// The env name.
         name: &'static str,
         /// The value.
         value: String,
+        /// The shortest one accepted.
+        min: Duration,
+    },
+    /// A count (`POOL_MAX_STREAMS_PER_CONNECTION`) is not a number in its range.
+    #[error("{name}={value:?} is not a whole number from {min} to {max}")]
+    Number {
+        /// The env name.
+        name: &'static str,
+        /// The value.
+        value: String,
+        /// Smallest accepted.
+        min: u64,
+        /// Largest accepted.
+        max: u64,
     },
     /// A boolean does not parse.
     #[error("{name}={value:?} is not a boolean (true/false)")]
@@ -87,6 +100,15 @@ pub enum EnvError {
         #[source]
         source: ControlError,
     },
+}
+
+/// The lower bound of [`EnvError::Duration`]'s message.
+fn at_least(min: Duration) -> String {
+    if min.is_zero() {
+        String::new()
+    } else {
+        format!(" of at least {min:?}")
+    }
 }
 
 /// One control-plane service as configured: endpoint and call metadata.
@@ -128,6 +150,9 @@ pub struct IstioEnv {
     pub fake_ca: bool,
     /// `ISTIO_META_*` (prefix stripped) for the xDS node metadata.
     pub proxy_metadata: BTreeMap<String, String>,
+    /// `POOL_MAX_STREAMS_PER_CONNECTION` (1..=65535, a `u16` as in ztunnel; default 100) and
+    /// `POOL_UNUSED_RELEASE_TIMEOUT` (a duration, default `5m`): the outbound HBONE pool.
+    pub pool: PoolConfig,
     unsupported: Vec<String>,
 }
 
@@ -157,16 +182,44 @@ impl IstioEnv {
             .filter(|v| !v.is_empty())
             .unwrap_or(DEFAULT_CLUSTER_ID)
             .to_owned();
-        let secret_ttl = match get("SECRET_TTL").filter(|v| !v.is_empty()) {
-            None => None,
-            Some(v) => Some(
-                parse_duration(v)
-                    .filter(|d| *d >= Duration::from_secs(1))
-                    .ok_or_else(|| EnvError::Duration {
-                        name: "SECRET_TTL",
+        // Set but empty counts as unset, for every name below.
+        let duration = |name: &'static str, min: Duration| -> Result<Option<Duration>, EnvError> {
+            get(name)
+                .filter(|v| !v.is_empty())
+                .map(|v| {
+                    parse_duration(v)
+                        .filter(|d| *d >= min)
+                        .ok_or_else(|| EnvError::Duration {
+                            name,
+                            value: v.to_owned(),
+                            min,
+                        })
+                })
+                .transpose()
+        };
+        let secret_ttl = duration("SECRET_TTL", Duration::from_secs(1))?;
+        // ztunnel: `parse_default(POOL_MAX_STREAMS_PER_CONNECTION, 100)` as a u16 (an error when it
+        // does not parse); 0 is refused here (no stream could ever be opened).
+        let max_streams = match get("POOL_MAX_STREAMS_PER_CONNECTION").filter(|v| !v.is_empty()) {
+            None => PoolConfig::default().max_streams_per_connection,
+            Some(v) => match v.trim().parse::<u16>() {
+                Ok(n) if n > 0 => usize::from(n),
+                _ => {
+                    return Err(EnvError::Number {
+                        name: "POOL_MAX_STREAMS_PER_CONNECTION",
                         value: v.to_owned(),
-                    })?,
-            ),
+                        min: 1,
+                        max: u64::from(u16::MAX),
+                    });
+                }
+            },
+        };
+        // ztunnel falls back to its default when the value does not parse; ztnode says so
+        // instead, as for SECRET_TTL.
+        let release = duration("POOL_UNUSED_RELEASE_TIMEOUT", Duration::ZERO)?;
+        let pool = PoolConfig {
+            max_streams_per_connection: max_streams,
+            unused_release_timeout: release.unwrap_or(PoolConfig::default().unused_release_timeout),
         };
         let fake_ca = boolean("FAKE_CA")?;
         let xds_address = get("XDS_ADDRESS")
@@ -272,6 +325,7 @@ impl IstioEnv {
                 .iter()
                 .filter_map(|(k, v)| Some((k.strip_prefix("ISTIO_META_")?.to_owned(), v.clone())))
                 .collect(),
+            pool,
             unsupported,
         })
     }
@@ -289,7 +343,7 @@ impl IstioEnv {
     }
 }
 
-/// Parses a Go-style duration as ztunnel's `SECRET_TTL` takes it: one or more `<number><unit>`
+/// Parses a Go-style duration as ztunnel's `SECRET_TTL` and `POOL_UNUSED_RELEASE_TIMEOUT` take it: one or more `<number><unit>`
 /// with units `ms`, `s`, `m`, `h`, `d` (e.g. `24h`, `1h30m`, `90s`); a bare number is seconds.
 pub fn parse_duration(s: &str) -> Option<Duration> {
     let s = s.trim();
@@ -443,5 +497,54 @@ mod tests {
         assert_eq!(e.unsupported().len(), 2, "{:?}", e.unsupported());
         assert_eq!(e.unsupported()[0], "INPOD_PORT_REUSE");
         assert!(e.unsupported()[1].starts_with("XDS_ON_DEMAND"));
+    }
+
+    #[test]
+    fn pool_settings_follow_ztunnels_env() {
+        let e = env(&[]).expect("env");
+        assert_eq!(e.pool, PoolConfig::default());
+        assert_eq!(
+            (
+                e.pool.max_streams_per_connection,
+                e.pool.unused_release_timeout
+            ),
+            (100, Duration::from_secs(300)),
+            "ztunnel's defaults"
+        );
+        let e = env(&[
+            ("POOL_MAX_STREAMS_PER_CONNECTION", "20"),
+            ("POOL_UNUSED_RELEASE_TIMEOUT", "1m30s"),
+        ])
+        .expect("env");
+        assert_eq!(
+            e.pool,
+            PoolConfig {
+                max_streams_per_connection: 20,
+                unused_release_timeout: Duration::from_secs(90),
+            }
+        );
+        assert!(e.unsupported().is_empty(), "{:?}", e.unsupported());
+        let e = env(&[
+            ("POOL_MAX_STREAMS_PER_CONNECTION", ""),
+            ("POOL_UNUSED_RELEASE_TIMEOUT", "0s"),
+        ])
+        .expect("env");
+        assert_eq!(e.pool.max_streams_per_connection, 100, "empty = unset");
+        assert_eq!(e.pool.unused_release_timeout, Duration::ZERO);
+        for bad in ["0", "65536", "-1", "lots"] {
+            let err = env(&[("POOL_MAX_STREAMS_PER_CONNECTION", bad)]).expect_err(bad);
+            assert!(
+                err.to_string()
+                    .contains(&format!("POOL_MAX_STREAMS_PER_CONNECTION=\"{bad}\"")),
+                "{err}"
+            );
+        }
+        let err = env(&[("POOL_UNUSED_RELEASE_TIMEOUT", "later")]).expect_err("bad timeout");
+        assert_eq!(
+            err.to_string(),
+            "POOL_UNUSED_RELEASE_TIMEOUT=\"later\" is not a duration like `24h`, `5m` or `90s`"
+        );
+        let err = env(&[("SECRET_TTL", "1ms")]).expect_err("short ttl");
+        assert!(err.to_string().contains("of at least 1s"), "{err}");
     }
 }

@@ -34,7 +34,7 @@ use futures::task::AtomicWaker;
 use tokio::sync::watch;
 
 use crate::proxy::authz::{self, Denied};
-use crate::proxy::copy::Transferred;
+use crate::proxy::copy::{CopyError, H2Relay, Transferred};
 use crate::proxy::identity::Identity;
 use crate::proxy::state::{Policy, ProxyState, StateHandle, Workload};
 
@@ -206,16 +206,38 @@ impl Drop for Registration {
 
 // === impl Revocable ===
 
+/// A relay that can tell how many bytes it has moved so far (what a revoked connection reports).
+pub trait SoFar {
+    /// Bytes moved in each direction until now.
+    fn so_far(&self) -> Transferred;
+}
+
+impl SoFar for H2Relay {
+    fn so_far(&self) -> Transferred {
+        self.transferred()
+    }
+}
+
+/// A boxed relay (the plaintext path) cannot be asked: it reports nothing moved.
+impl SoFar for Pin<Box<dyn Future<Output = Result<Transferred, CopyError>> + Send>> {
+    fn so_far(&self) -> Transferred {
+        Transferred::default()
+    }
+}
+
 impl<F> Future for Revocable<F>
 where
-    F: Future<Output = io::Result<Transferred>> + Unpin,
+    F: Future<Output = Result<Transferred, CopyError>> + SoFar + Unpin,
 {
-    type Output = io::Result<Transferred>;
+    type Output = Result<Transferred, CopyError>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = &mut *self;
         if let Some(why) = this.registration.poll_closed(cx) {
-            return Poll::Ready(Err(io::Error::other(LateRejection(why.clone()))));
+            return Poll::Ready(Err(CopyError {
+                error: io::Error::other(LateRejection(why.clone())),
+                transferred: this.relay.so_far(),
+            }));
         }
         Pin::new(&mut this.relay).poll(cx)
     }

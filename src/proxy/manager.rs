@@ -24,7 +24,7 @@ use crate::netns::{Netns, NetnsId};
 use crate::proxy::identity::{CertManager, Identity, IdentityError};
 use crate::proxy::live::PolicyWatcher;
 use crate::proxy::pod::{PodProxy, ProxyContext};
-use crate::proxy::pool::{POOL_SWEEP_INTERVAL, Pool};
+use crate::proxy::pool::Pool;
 use crate::proxy::socket::{PodSockets, SocketError};
 use crate::proxy::state::Workload;
 use crate::proxy::{inbound, outbound, tls};
@@ -246,7 +246,7 @@ impl ProxyManager {
             ips: ips.clone(),
             identity: identity.clone(),
             workload,
-            pool: Pool::new(sockets.clone(), self.ctx.certs.clone()),
+            pool: Pool::new(sockets.clone(), self.ctx.certs.clone(), self.ctx.pool),
             sockets,
             server_tls,
             live: Arc::default(),
@@ -340,7 +340,8 @@ impl Drop for CertHold<'_> {
 
 /// Accepts on the three listeners; connection tasks live in a JoinSet so aborting this task ends
 /// them. Accepted sockets inherit TCP_NODELAY and TCP keepalive from the listeners
-/// ([`tune_listener`]); the outbound pool is swept every [`POOL_SWEEP_INTERVAL`]; open inbound
+/// ([`tune_listener`]); the outbound pool is swept every
+/// [`PoolConfig::sweep_interval`](crate::proxy::pool::PoolConfig::sweep_interval); open inbound
 /// connections are re-checked when the policies change ([`PolicyWatcher`]).
 async fn serve(
     pod: Arc<PodProxy>,
@@ -349,7 +350,7 @@ async fn serve(
     hbone_l: TcpListener,
 ) {
     let mut conns = JoinSet::new();
-    let mut sweep = tokio::time::interval(POOL_SWEEP_INTERVAL);
+    let mut sweep = tokio::time::interval(pod.pool.config().sweep_interval());
     sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut policies = PolicyWatcher::new(
         pod.ctx.state.clone(),
@@ -457,6 +458,7 @@ mod tests {
             metrics: crate::proxy::metrics::Metrics::default(),
             mark: crate::mesh::PacketMark::DEFAULT,
             local: Default::default(),
+            pool: crate::proxy::pool::PoolConfig::default(),
         });
         let manager = ProxyManager::new(ctx);
         let info = WorkloadInfo {

@@ -16,11 +16,11 @@ use tokio::net::TcpStream;
 
 use crate::mesh::NEVER_TARGET_PORTS;
 use crate::proxy::accesslog::ConnectionLog;
-use crate::proxy::copy::{self, Transferred};
+use crate::proxy::copy::{self, CopyError, Transferred};
 use crate::proxy::hbone::{self, CONNECT_TIMEOUT};
 use crate::proxy::metrics::Direction;
 use crate::proxy::pod::PodProxy;
-use crate::proxy::pool::{PoolError, PoolKey};
+use crate::proxy::pool::{Leased, PoolError, PoolKey, PooledStream};
 use crate::proxy::route::{self, RouteError};
 use crate::proxy::task::{self, ClientSide, Logged};
 
@@ -54,10 +54,11 @@ pub enum OutboundError {
 }
 
 /// A passthrough relay (boxed: the rare path must not size every HBONE task).
-type Passthrough = Pin<Box<dyn Future<Output = std::io::Result<Transferred>> + Send>>;
+type Passthrough = Pin<Box<dyn Future<Output = Result<Transferred, CopyError>> + Send>>;
 
-/// The relay an outbound connection keeps once set up.
-type Relay = ClientSide<Either<copy::H2Relay, Passthrough>>;
+/// The relay an outbound connection keeps once set up; an HBONE relay holds its stream's place in
+/// the pool's per-connection cap until it ends.
+type Relay = ClientSide<Either<Leased<copy::H2Relay>, Passthrough>>;
 
 /// Serves one captured outbound connection to the end (a [`task::run`] task).
 pub fn handle(
@@ -122,7 +123,14 @@ async fn setup(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) -> Option
                 hbone.service_host.as_deref(),
             );
             match connect.await {
-                Ok((send, recv)) => Either::Left(copy::relay_h2(tcp, send, recv)),
+                Ok(PooledStream {
+                    response,
+                    send,
+                    lease,
+                }) => Either::Left(Leased::new(
+                    copy::relay_h2(tcp, send, response.into_body()),
+                    lease,
+                )),
                 Err(e) => {
                     log.failed(&pod.ctx.metrics, &e);
                     crate::proxy::socket::reset(tcp);
@@ -151,7 +159,7 @@ async fn connect_hbone(
     client: SocketAddr,
     target: SocketAddr,
     service_host: Option<&str>,
-) -> Result<(h2::SendStream<bytes::Bytes>, h2::RecvStream), OutboundError> {
+) -> Result<PooledStream, OutboundError> {
     let req = http::Request::builder()
         .method(http::Method::CONNECT)
         .uri(hbone::format_authority(target))
@@ -160,7 +168,7 @@ async fn connect_hbone(
         .body(())
         .map_err(OutboundError::Request)?;
     // The pool retries once on a fresh connection when the peer refused the stream unprocessed.
-    let (resp, send) = pod
+    let stream = pod
         .pool
         .send_request(&key, req)
         .await
@@ -168,8 +176,9 @@ async fn connect_hbone(
             PoolError::Stream { addr, source } => OutboundError::Connect(addr, source),
             e => OutboundError::Pool(e),
         })?;
-    if resp.status() != http::StatusCode::OK {
-        return Err(OutboundError::Status(key.addr, resp.status()));
+    let status = stream.response.status();
+    if status != http::StatusCode::OK {
+        return Err(OutboundError::Status(key.addr, status));
     }
-    Ok((send, resp.into_body()))
+    Ok(stream)
 }

@@ -12,7 +12,7 @@ use crate::mesh::PacketMark;
 use crate::proxy::identity::{CertManager, Identity};
 use crate::proxy::live::LiveConnections;
 use crate::proxy::metrics::Metrics;
-use crate::proxy::pool::Pool;
+use crate::proxy::pool::{Pool, PoolConfig};
 use crate::proxy::socket::PodSockets;
 use crate::proxy::state::{ProxyState, StateHandle, Workload};
 
@@ -27,6 +27,8 @@ pub struct ProxyContext {
     pub metrics: Metrics,
     /// SO_MARK of every socket opened in a pod.
     pub mark: PacketMark,
+    /// Settings of every pod's outbound pool (ztunnel's `POOL_*` env).
+    pub pool: PoolConfig,
     /// The pods this proxy serves, by IP: the identity each presents on its HBONE listener. A
     /// pod served from its handoff before the workload source lists it is still an HBONE
     /// destination for the other pods here (never plain TCP), see [`PodProxy::local_hbone`].

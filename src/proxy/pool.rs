@@ -2,20 +2,39 @@
 //!
 //! Keyed by (source identity, destination identity, destination HBONE address), as ztunnel's
 //! `WorkloadKey` (`../shared/spec/ztunnel.md` §3 "Connection pool"). Many CONNECT streams share one
-//! mTLS + HTTP/2 connection; after [`MAX_STREAMS_PER_CONNECTION`] streams a new connection is
-//! dialed. Concurrent requests for a new key wait for a single dial, bounded by [`CONNECT_TIMEOUT`].
-//! Each connection is kept alive with HTTP/2 PINGs ([`keepalive`]) and dropped when no PONG comes
-//! back. A connection no stream was requested on for [`POOL_UNUSED_RELEASE_TIMEOUT`] is released by
-//! [`Pool::sweep`] and its key pruned, so keys do not pile up with pod churn. [`Pool::send_request`] retries a CONNECT once on a fresh
-//! connection when the peer provably did not process it (REFUSED_STREAM, or a GOAWAY that excludes
-//! the stream: RFC 9113 §8.7), which covers a GOAWAY racing the pool's readiness check.
+//! mTLS + HTTP/2 connection. The cap, [`PoolConfig::max_streams_per_connection`] (ztunnel
+//! `POOL_MAX_STREAMS_PER_CONNECTION`, default 100, lowered to the peer's
+//! `SETTINGS_MAX_CONCURRENT_STREAMS` when that is smaller, as ztunnel's `spawn_connection`), is on
+//! the streams *open at once*: each stream holds a [`StreamLease`] on its connection until its
+//! relay ends (ztunnel's `stream_count`, decremented by its `DropCounter`), so sequential traffic
+//! keeps riding one connection and a new one is dialed only while all of a key's connections are
+//! full. New streams go to the oldest connection with room, so extra connections empty out and
+//! get released.
+//!
+//! Concurrent requests for a new key wait for a single dial (a per-key async mutex, as ztunnel's
+//! `established_conn_writelock`), bounded by [`CONNECT_TIMEOUT`]. Each connection is kept alive
+//! with HTTP/2 PINGs ([`keepalive`]) and dropped when no PONG comes back. A connection with no open
+//! stream that no stream started or ended on for [`PoolConfig::unused_release_timeout`] (ztunnel
+//! `POOL_UNUSED_RELEASE_TIMEOUT`, default 5 min; "idle" there is "no one has asked for it or
+//! dropped it in X time") is released by [`Pool::sweep`], and a key left without connections is
+//! pruned, so keys do not pile up with pod churn. Unlike ztunnel, a connection at the cap stays
+//! pooled and takes new streams again once some of its streams ended (ztunnel's pool drops it for
+//! good: "TODO: in the future, we can keep track of these and start to use them once they finish
+//! some streams"), and one with open streams is not released.
+//!
+//! [`Pool::send_request`] retries a CONNECT once on a fresh connection when the peer provably did
+//! not process it (REFUSED_STREAM, or a GOAWAY that excludes the stream: RFC 9113 §8.7), which
+//! covers a GOAWAY racing the pool's readiness check.
 
 mod connector;
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -32,11 +51,42 @@ use crate::proxy::tls::TlsError;
 
 pub use connector::{Connector, PodConnector};
 
-/// A pooled connection no new stream was requested on for this long is released (ztunnel
-/// `POOL_UNUSED_RELEASE_TIMEOUT`, default 5 min). Streams still running on it are not cut.
+/// Default of [`PoolConfig::unused_release_timeout`] (ztunnel `POOL_UNUSED_RELEASE_TIMEOUT`,
+/// 5 min).
 pub const POOL_UNUSED_RELEASE_TIMEOUT: Duration = Duration::from_secs(5 * 60);
-/// How often a pod's proxy calls [`Pool::sweep`].
+/// Longest interval between two [`Pool::sweep`]s of a pod's proxy (shorter release timeouts are
+/// swept more often: [`PoolConfig::sweep_interval`]).
 pub const POOL_SWEEP_INTERVAL: Duration = Duration::from_secs(30);
+/// Shortest interval between two sweeps.
+const MIN_SWEEP_INTERVAL: Duration = Duration::from_millis(100);
+
+/// Settings of every pod's pool, from ztunnel's env ([`crate::proxy::istio_env::IstioEnv`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolConfig {
+    /// Streams open at once on one connection before another one is dialed
+    /// (`POOL_MAX_STREAMS_PER_CONNECTION`, default [`MAX_STREAMS_PER_CONNECTION`]); at least 1.
+    pub max_streams_per_connection: usize,
+    /// How long a connection without streams is kept (`POOL_UNUSED_RELEASE_TIMEOUT`, default
+    /// [`POOL_UNUSED_RELEASE_TIMEOUT`]).
+    pub unused_release_timeout: Duration,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        PoolConfig {
+            max_streams_per_connection: MAX_STREAMS_PER_CONNECTION,
+            unused_release_timeout: POOL_UNUSED_RELEASE_TIMEOUT,
+        }
+    }
+}
+
+impl PoolConfig {
+    /// How often a pod's proxy calls [`Pool::sweep`]: half the release timeout, within 100 ms ..
+    /// [`POOL_SWEEP_INTERVAL`] (a connection goes at most that long after its timeout).
+    pub fn sweep_interval(&self) -> Duration {
+        (self.unused_release_timeout / 2).clamp(MIN_SWEEP_INTERVAL, POOL_SWEEP_INTERVAL)
+    }
+}
 
 /// Errors getting a pooled HBONE connection.
 #[derive(Debug, thiserror::Error)]
@@ -93,22 +143,117 @@ pub struct PoolKey {
     pub addr: SocketAddr,
 }
 
+/// An open CONNECT stream from [`Pool::send_request`].
 #[derive(Debug)]
-struct Conn {
-    /// Pool-unique id, so a retry can tell a connection replaced meanwhile from the failed one.
-    id: u64,
-    sender: SendRequest<Bytes>,
-    streams: usize,
-    last_used: Instant,
+pub struct PooledStream {
+    /// The peer's answer (any status) and the stream's data from the peer.
+    pub response: Response<RecvStream>,
+    /// The stream's data towards the peer.
+    pub send: SendStream<Bytes>,
+    /// The stream's place in its connection's cap: keep it until the stream's relay ends.
+    pub lease: StreamLease,
 }
 
-type Slot = Arc<AsyncMutex<Option<Conn>>>;
+/// What a pooled connection and the leases of its streams share.
+#[derive(Debug)]
+struct Usage {
+    /// Streams open now (leases alive).
+    open: AtomicUsize,
+    /// When a stream last started or ended, in ms after `born`.
+    last_active_ms: AtomicU64,
+    born: Instant,
+}
+
+impl Usage {
+    fn new() -> Usage {
+        Usage {
+            open: AtomicUsize::new(0),
+            last_active_ms: AtomicU64::new(0),
+            born: Instant::now(),
+        }
+    }
+
+    fn touch(&self) {
+        let ms = u64::try_from(self.born.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.last_active_ms.store(ms, Ordering::Release);
+    }
+
+    /// How long no stream has been open on it, `None` while one is.
+    fn unused_for(&self, now: Instant) -> Option<Duration> {
+        if self.open.load(Ordering::Acquire) > 0 {
+            return None;
+        }
+        let last = self.born + Duration::from_millis(self.last_active_ms.load(Ordering::Acquire));
+        Some(now.saturating_duration_since(last))
+    }
+}
+
+/// One open stream's hold on its pooled connection (ztunnel's `DropCounter`): counted in the
+/// connection's open streams from checkout until dropped.
+#[derive(Debug)]
+pub struct StreamLease(Arc<Usage>);
+
+impl StreamLease {
+    /// Counts a new stream on `usage`.
+    fn take(usage: &Arc<Usage>) -> StreamLease {
+        usage.open.fetch_add(1, Ordering::AcqRel);
+        usage.touch();
+        StreamLease(usage.clone())
+    }
+}
+
+impl Drop for StreamLease {
+    fn drop(&mut self) {
+        // The time first: a sweep that sees no open stream sees when the last one ended.
+        self.0.touch();
+        self.0.open.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A relay `F` holding its stream's [`StreamLease`] for as long as it runs.
+#[derive(Debug)]
+pub struct Leased<F> {
+    relay: F,
+    _lease: StreamLease,
+}
+
+impl<F> Leased<F> {
+    /// `relay` holding `lease` until it is dropped.
+    pub fn new(relay: F, lease: StreamLease) -> Leased<F> {
+        Leased {
+            relay,
+            _lease: lease,
+        }
+    }
+}
+
+impl<F: Future + Unpin> Future for Leased<F> {
+    type Output = F::Output;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        Pin::new(&mut self.relay).poll(cx)
+    }
+}
+
+#[derive(Debug)]
+struct Conn {
+    /// Pool-unique id, so a retry can tell a connection dialed meanwhile from the failed one.
+    id: u64,
+    sender: SendRequest<Bytes>,
+    /// Open streams allowed at once: the configured cap, or the peer's limit when lower.
+    max_streams: usize,
+    usage: Arc<Usage>,
+}
+
+/// A key's connections, oldest first.
+type Slot = Arc<AsyncMutex<Vec<Conn>>>;
 
 /// The pool of one pod; `C` makes the transport connections (mTLS from the pod netns in
 /// production, see [`PodConnector`]).
 #[derive(Debug)]
 pub struct Pool<C = PodConnector> {
     connector: C,
+    config: PoolConfig,
     slots: std::sync::Mutex<HashMap<PoolKey, Slot>>,
     next_id: AtomicU64,
 }
@@ -120,24 +265,21 @@ impl Pool {
     pub fn new(
         sockets: crate::proxy::socket::PodSockets,
         certs: Arc<crate::proxy::identity::CertManager>,
+        config: PoolConfig,
     ) -> Pool {
-        Pool::with_connector(PodConnector::new(sockets, certs))
+        Pool::with_connector(PodConnector::new(sockets, certs), config)
     }
 }
 
 impl<C: Connector> Pool<C> {
     /// An empty pool over `connector`.
-    pub fn with_connector(connector: C) -> Pool<C> {
+    pub fn with_connector(connector: C, config: PoolConfig) -> Pool<C> {
         Pool {
             connector,
+            config,
             slots: Default::default(),
             next_id: AtomicU64::new(1),
         }
-    }
-
-    /// A ready sender for one new stream to `key`, dialing if needed.
-    pub async fn sender(&self, key: &PoolKey) -> Result<SendRequest<Bytes>, PoolError> {
-        Ok(self.checkout(key, None).await?.0)
     }
 
     /// Sends the CONNECT `request` to `key` and waits for the response head. When the peer did
@@ -145,25 +287,37 @@ impl<C: Connector> Pool<C> {
     /// away before the request left) the request is sent once more on a fresh connection.
     ///
     /// Errors: [`PoolError::Stream`] when the stream failed (also after the retry), or the dial
-    /// errors of [`Pool::sender`]. A non-200 status is returned as a response, not an error.
+    /// errors ([`PoolError::Connect`], [`PoolError::Tls`], [`PoolError::Handshake`],
+    /// [`PoolError::H2`]). A non-200 status is returned as a response, not an error.
     pub async fn send_request(
         &self,
         key: &PoolKey,
         request: Request<()>,
-    ) -> Result<(Response<RecvStream>, SendStream<Bytes>), PoolError> {
+    ) -> Result<PooledStream, PoolError> {
         let again = copy_head(&request);
-        let (sender, used) = self.checkout(key, None).await?;
+        let (sender, lease, used) = self.checkout(key, None).await?;
         match send_once(sender, request).await {
-            Ok(r) => Ok(r),
+            Ok((response, send)) => Ok(PooledStream {
+                response,
+                send,
+                lease,
+            }),
             Err(Failure::Unprocessed(e)) => {
+                drop(lease);
                 tracing::debug!(peer = %key.addr, error = %e, "HBONE stream not processed by the peer, retrying on a fresh connection");
-                let (sender, _) = self.checkout(key, Some(used)).await?;
-                send_once(sender, again)
-                    .await
-                    .map_err(|f| PoolError::Stream {
-                        addr: key.addr,
-                        source: f.into_inner(),
-                    })
+                let (sender, lease, _) = self.checkout(key, Some(used)).await?;
+                let (response, send) =
+                    send_once(sender, again)
+                        .await
+                        .map_err(|f| PoolError::Stream {
+                            addr: key.addr,
+                            source: f.into_inner(),
+                        })?;
+                Ok(PooledStream {
+                    response,
+                    send,
+                    lease,
+                })
             }
             Err(Failure::Other(source)) => Err(PoolError::Stream {
                 addr: key.addr,
@@ -172,12 +326,14 @@ impl<C: Connector> Pool<C> {
         }
     }
 
-    /// Releases connections no stream was requested on for [`POOL_UNUSED_RELEASE_TIMEOUT`] (and
-    /// slots whose dial failed), pruning their keys; slots in use right now are skipped. Streams
-    /// still open on a released connection run to their end, then the connection closes. Returns
-    /// the number of keys pruned.
+    /// Releases connections without open streams that no stream started or ended on for
+    /// [`PoolConfig::unused_release_timeout`], and prunes keys left without connections (also
+    /// those whose dial failed); slots in use right now are skipped. A released connection
+    /// closes (its last handle is gone). Returns the number of keys pruned.
     pub fn sweep(&self) -> usize {
         let now = Instant::now();
+        let timeout = self.config.unused_release_timeout;
+        let mut released = 0;
         let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
         let before = slots.len();
         slots.retain(|_, slot| {
@@ -185,16 +341,18 @@ impl<C: Connector> Pool<C> {
             if Arc::strong_count(slot) > 1 {
                 return true;
             }
-            match slot.try_lock() {
-                Ok(conn) => conn
-                    .as_ref()
-                    .is_some_and(|c| now.duration_since(c.last_used) < POOL_UNUSED_RELEASE_TIMEOUT),
-                Err(_) => true,
-            }
+            let Ok(mut conns) = slot.try_lock() else {
+                return true;
+            };
+            let had = conns.len();
+            conns.retain(|c| c.usage.unused_for(now).is_none_or(|d| d < timeout));
+            released += had - conns.len();
+            !conns.is_empty()
         });
         let pruned = before - slots.len();
-        if pruned > 0 {
+        if released > 0 || pruned > 0 {
             tracing::debug!(
+                released,
                 pruned,
                 kept = slots.len(),
                 "released unused HBONE connections"
@@ -213,40 +371,63 @@ impl<C: Connector> Pool<C> {
         self.len() == 0
     }
 
-    /// A ready sender and the id of its connection. With `avoid`, that connection (which just
-    /// failed a stream) is not reused: a connection another task dialed meanwhile is, else a new
-    /// one is dialed.
+    /// The pool's settings.
+    pub fn config(&self) -> PoolConfig {
+        self.config
+    }
+
+    /// Number of pooled connections of `key` (0 while the key is being checked out).
+    #[cfg(test)]
+    fn connections(&self, key: &PoolKey) -> usize {
+        let slot = self.slots.lock().ok().and_then(|s| s.get(key).cloned());
+        slot.and_then(|s| s.try_lock().ok().map(|c| c.len()))
+            .unwrap_or(0)
+    }
+
+    /// A ready sender on the oldest of `key`'s connections with room for one more stream (those
+    /// that went away are dropped on the way), else on a new one; with the stream's lease and the
+    /// connection's id. With `avoid`, that connection (which just failed a stream unprocessed)
+    /// leaves the pool first.
     async fn checkout(
         &self,
         key: &PoolKey,
         avoid: Option<u64>,
-    ) -> Result<(SendRequest<Bytes>, u64), PoolError> {
+    ) -> Result<(SendRequest<Bytes>, StreamLease, u64), PoolError> {
         let slot = {
             let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
             slots.entry(key.clone()).or_default().clone()
         };
-        let mut guard = slot.lock().await;
-        if let Some(conn) = guard.as_mut()
-            && conn.streams < MAX_STREAMS_PER_CONNECTION
-            && Some(conn.id) != avoid
-            && let Ok(ready) = conn.sender.clone().ready().await
-        {
-            conn.streams += 1;
-            conn.last_used = Instant::now();
-            return Ok((ready, conn.id));
+        let mut conns = slot.lock().await;
+        if let Some(avoid) = avoid {
+            conns.retain(|c| c.id != avoid);
         }
-        let sender = match tokio::time::timeout(CONNECT_TIMEOUT, self.dial(key)).await {
-            Ok(r) => r?,
-            Err(_) => {
-                return Err(PoolError::Connect {
-                    addr: key.addr,
-                    source: SocketError::Io {
-                        op: format!("HBONE handshake with {}", key.addr),
-                        source: std::io::Error::new(std::io::ErrorKind::TimedOut, "timed out"),
-                    },
-                });
+        let mut i = 0;
+        while let Some(conn) = conns.get(i) {
+            if conn.usage.open.load(Ordering::Acquire) >= conn.max_streams {
+                i += 1;
+                continue;
             }
-        };
+            match conn.sender.clone().ready().await {
+                Ok(ready) => return Ok((ready, StreamLease::take(&conn.usage), conn.id)),
+                // GOAWAY or closed: no new stream can go there
+                Err(_) => {
+                    conns.remove(i);
+                }
+            }
+        }
+        let (sender, max_streams) =
+            match tokio::time::timeout(CONNECT_TIMEOUT, self.dial(key)).await {
+                Ok(r) => r?,
+                Err(_) => {
+                    return Err(PoolError::Connect {
+                        addr: key.addr,
+                        source: SocketError::Io {
+                            op: format!("HBONE handshake with {}", key.addr),
+                            source: std::io::Error::new(std::io::ErrorKind::TimedOut, "timed out"),
+                        },
+                    });
+                }
+            };
         let ready = sender
             .clone()
             .ready()
@@ -256,25 +437,33 @@ impl<C: Connector> Pool<C> {
                 source,
             })?;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        *guard = Some(Conn {
+        let usage = Arc::new(Usage::new());
+        let lease = StreamLease::take(&usage);
+        conns.push(Conn {
             id,
             sender,
-            streams: 1,
-            last_used: Instant::now(),
+            max_streams,
+            usage,
         });
-        Ok((ready, id))
+        Ok((ready, lease, id))
     }
 
-    async fn dial(&self, key: &PoolKey) -> Result<SendRequest<Bytes>, PoolError> {
+    /// A new connection to `key` and its stream cap: the configured one, or the peer's
+    /// `SETTINGS_MAX_CONCURRENT_STREAMS` when lower, as h2 knows it right after the handshake
+    /// (ztunnel's `spawn_connection` does the same; h2 queues streams beyond a limit the peer
+    /// announces later).
+    async fn dial(&self, key: &PoolKey) -> Result<(SendRequest<Bytes>, usize), PoolError> {
         let io = self.connector.connect(key).await?;
-        let (sender, mut conn) =
-            client_builder()
-                .handshake::<_, Bytes>(io)
-                .await
-                .map_err(|source| PoolError::H2 {
-                    addr: key.addr,
-                    source,
-                })?;
+        let cap = self.config.max_streams_per_connection.max(1);
+        let (sender, mut conn) = client_builder()
+            .initial_max_send_streams(cap)
+            .handshake::<_, Bytes>(io)
+            .await
+            .map_err(|source| PoolError::H2 {
+                addr: key.addr,
+                source,
+            })?;
+        let max_streams = cap.min(conn.max_concurrent_send_streams()).max(1);
         let ping = conn.ping_pong();
         let addr = key.addr;
         tokio::spawn(async move {
@@ -285,8 +474,8 @@ impl<C: Connector> Pool<C> {
                 () = keepalive(ping) => tracing::warn!(peer = %addr, "HBONE keepalive timed out, dropping connection"),
             }
         });
-        tracing::debug!(peer = %addr, src = %key.src, dst = %key.dst, "HBONE connection established");
-        Ok(sender)
+        tracing::debug!(peer = %addr, src = %key.src, dst = %key.dst, max_streams, "HBONE connection established");
+        Ok((sender, max_streams))
     }
 }
 

@@ -21,14 +21,15 @@ use futures::FutureExt;
 use futures::future::OptionFuture;
 
 use crate::proxy::accesslog::ConnectionLog;
-use crate::proxy::copy::Transferred;
+use crate::proxy::copy::{CopyError, Transferred};
 use crate::proxy::metrics::ByteCounts;
 use crate::proxy::pod::ProxyContext;
 
 /// A relay whose end is logged and counted (`finish` on the connection's [`ConnectionLog`]), once:
 /// polled again after it ended, it is `Ready` without polling the relay.
 ///
-/// `F` is the relay, resolving to the bytes moved or the first I/O error. `LOCAL_IS_CLIENT` says
+/// `F` is the relay, resolving to the bytes moved, or to the first I/O error with the bytes moved
+/// until then ([`CopyError`]): an error-ended connection is logged and counted with what it moved. `LOCAL_IS_CLIENT` says
 /// whether the relay's TCP side (the [`Transferred`] orientation) is the connection's client
 /// ([`ByteCounts::client_side`]) or the app server ([`ByteCounts::server_side`]); a type parameter
 /// rather than a field, so it costs no bytes in every relaying task.
@@ -62,7 +63,7 @@ impl<F, const LOCAL_IS_CLIENT: bool> Logged<F, LOCAL_IS_CLIENT> {
 
 impl<F, const LOCAL_IS_CLIENT: bool> Future for Logged<F, LOCAL_IS_CLIENT>
 where
-    F: Future<Output = io::Result<Transferred>> + Unpin,
+    F: Future<Output = Result<Transferred, CopyError>> + Unpin,
 {
     type Output = ();
 
@@ -75,10 +76,16 @@ where
         let result = ready!(Pin::new(&mut this.relay).poll(cx));
         if let Some(log) = this.log.take() {
             let metrics = &this.ctx.metrics;
+            let counts = if LOCAL_IS_CLIENT {
+                ByteCounts::client_side
+            } else {
+                ByteCounts::server_side
+            };
             match result {
-                Ok(t) if LOCAL_IS_CLIENT => log.finish(metrics, ByteCounts::client_side(t), None),
-                Ok(t) => log.finish(metrics, ByteCounts::server_side(t), None),
-                Err(e) => log.finish(metrics, ByteCounts::default(), Some(&RelayError(e))),
+                Ok(t) => log.finish(metrics, counts(t), None),
+                Err(CopyError { error, transferred }) => {
+                    log.finish(metrics, counts(transferred), Some(&RelayError(error)))
+                }
             }
         }
         Poll::Ready(())
@@ -90,7 +97,7 @@ where
 pub fn run<S, F, const LOCAL_IS_CLIENT: bool>(setup: S) -> impl Future<Output = ()> + Send + 'static
 where
     S: Future<Output = Option<Logged<F, LOCAL_IS_CLIENT>>> + Send + 'static,
-    F: Future<Output = io::Result<Transferred>> + Unpin + Send + 'static,
+    F: Future<Output = Result<Transferred, CopyError>> + Unpin + Send + 'static,
 {
     Box::pin(setup).then(OptionFuture::from).map(drop)
 }
@@ -114,6 +121,7 @@ mod tests {
             metrics: Metrics::default(),
             mark: crate::mesh::PacketMark::DEFAULT,
             local: Default::default(),
+            pool: crate::proxy::pool::PoolConfig::default(),
         })
     }
 
@@ -126,7 +134,9 @@ mod tests {
         )
     }
 
-    fn done(sent: u64, received: u64) -> Ready<io::Result<Transferred>> {
+    type Outcome = Ready<Result<Transferred, CopyError>>;
+
+    fn done(sent: u64, received: u64) -> Outcome {
         ready(Ok(Transferred { sent, received }))
     }
 
@@ -151,17 +161,26 @@ mod tests {
         }
     }
 
+    /// An error-ended relay is logged with its error and the bytes it moved before, and counted
+    /// with them (a transfer reset at the end was logged and counted as 0 bytes).
     #[test]
-    fn a_failed_relay_is_logged_with_its_error() {
+    fn a_failed_relay_is_logged_with_its_error_and_its_bytes() {
         let ctx = ctx();
-        let failed: ClientSide<Ready<io::Result<Transferred>>> = Logged::new(
+        let failed: ClientSide<Outcome> = Logged::new(
             ctx.clone(),
             log(&ctx, Direction::Outbound),
-            ready(Err(io::Error::other("peer reset"))),
+            ready(Err(CopyError {
+                error: io::Error::other("peer reset"),
+                transferred: Transferred {
+                    sent: 4_800_000,
+                    received: 12,
+                },
+            })),
         );
         let (ended, logs) = capture_logs(|| run(ready(Some(failed))).now_or_never());
         assert_eq!(ended, Some(()));
         assert!(logs.contains("relay: peer reset"), "{logs}");
+        assert!(logs.contains("bytes_sent=4800000 bytes_recv=12"), "{logs}");
         let text = ctx.metrics.render();
         assert_eq!(
             counter(&text, "istio_tcp_connections_closed_total", "source"),
@@ -170,7 +189,12 @@ mod tests {
         );
         assert_eq!(
             counter(&text, "istio_tcp_received_bytes_total", "source"),
-            0,
+            4_800_000,
+            "{text}"
+        );
+        assert_eq!(
+            counter(&text, "istio_tcp_sent_bytes_total", "source"),
+            12,
             "{text}"
         );
     }
@@ -192,7 +216,7 @@ mod tests {
 
     #[test]
     fn a_failed_setup_ends_the_task_without_a_relay() {
-        let none: Option<ClientSide<Ready<io::Result<Transferred>>>> = None;
+        let none: Option<ClientSide<Outcome>> = None;
         assert_eq!(run(ready(none)).now_or_never(), Some(()));
     }
 }

@@ -36,6 +36,16 @@ impl MeshNode {
 
     /// [`MeshNode::start_with`] with `args` added to `ztnode node`'s command line.
     pub fn start_with_args(prefix: &str, extra: &str, args: &[&str]) -> MeshNode {
+        MeshNode::start_with_env(prefix, extra, args, &[])
+    }
+
+    /// [`MeshNode::start_with_args`] with `env` added to the node's environment.
+    pub fn start_with_env(
+        prefix: &str,
+        extra: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> MeshNode {
         let run_dir = std::env::temp_dir().join(format!("ztnode-e2e-run-{prefix}"));
         let _ = std::fs::remove_dir_all(&run_dir);
         let client_ip = "10.249.0.2".parse().expect("ip");
@@ -64,6 +74,10 @@ impl MeshNode {
             node_args: &std::iter::once("--no-install")
                 .chain(args.iter().copied())
                 .map(std::ffi::OsString::from)
+                .collect::<Vec<_>>(),
+            node_env: &env
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
                 .collect::<Vec<_>>(),
             pods: [
                 ("client", "default"),

@@ -113,6 +113,7 @@ pub(super) fn start(opts: &BenchOptions) -> anyhow::Result<Bed> {
         extra_config: "",
         log_level: &level,
         node_args: &["--no-install".into()],
+        node_env: &[],
         pods: ["d-client", "d-server", "m-client", "m-server"].map(|name| (name, "bench")),
     };
     let mesh = MeshLab::start_observed(spec, |stage| {

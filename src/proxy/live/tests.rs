@@ -34,7 +34,23 @@ fn to(id: &Identity, port: u16) -> authz::Connection<'_> {
     }
 }
 
-type Idle = Revocable<Pending<io::Result<Transferred>>>;
+/// An idle relay that has moved 7 bytes up and 3 down.
+impl SoFar for Pending<Result<Transferred, CopyError>> {
+    fn so_far(&self) -> Transferred {
+        Transferred {
+            sent: 7,
+            received: 3,
+        }
+    }
+}
+
+impl SoFar for std::future::Ready<Result<Transferred, CopyError>> {
+    fn so_far(&self) -> Transferred {
+        Transferred::default()
+    }
+}
+
+type Idle = Revocable<Pending<Result<Transferred, CopyError>>>;
 
 fn idle(live: &Arc<LiveConnections>, conn: &authz::Connection<'_>) -> Idle {
     live.register(conn).revocable(pending())
@@ -61,10 +77,16 @@ async fn a_recheck_closes_the_connections_now_denied_and_no_other() {
         .expect("the denied relay ends")
         .expect_err("with an error");
     assert_eq!(
-        e.to_string(),
+        e.error.to_string(),
         "connection closed due to policy change: explicitly denied by: default/no-80"
     );
+    assert_eq!(
+        (e.transferred.sent, e.transferred.received),
+        (7, 3),
+        "a revoked connection reports what it moved"
+    );
     let late = e
+        .error
         .get_ref()
         .and_then(|inner| inner.downcast_ref::<LateRejection>())
         .expect("a LateRejection");
@@ -103,12 +125,12 @@ async fn a_closing_decided_before_the_relay_starts_ends_it_at_once() {
         "policies:\n- {name: blank, namespace: default, scope: Namespace, action: Deny, rules: [[[{}]]]}\n",
     );
     assert_eq!(live.recheck(&denying, &server(&denying)), 1);
-    let relay = registration.revocable(pending::<io::Result<Transferred>>());
+    let relay = registration.revocable(pending::<Result<Transferred, CopyError>>());
     let e = relay
         .now_or_never()
         .expect("ends on the first poll")
         .expect_err("rejected");
-    assert!(e.to_string().contains("default/blank"), "{e}");
+    assert!(e.error.to_string().contains("default/blank"), "{e}");
 }
 
 #[test]

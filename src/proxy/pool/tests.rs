@@ -1,5 +1,5 @@
-//! Pool logic over in-memory peers: reuse, the one retry after an unprocessed stream, and the
-//! release of unused connections (paused time).
+//! Pool logic over in-memory peers: reuse, the cap on open streams, the one retry after an
+//! unprocessed stream, and the release of unused connections (paused time).
 
 use std::collections::VecDeque;
 use std::sync::Mutex;
@@ -151,15 +151,27 @@ fn connect_req() -> Request<()> {
         .expect("request")
 }
 
+fn pool(plan: &[Peer]) -> Pool<FakeConnector> {
+    Pool::with_connector(FakeConnector::new(plan), PoolConfig::default())
+}
+
+/// A CONNECT to `key`, its stream ended right away; the status.
 async fn status(pool: &Pool<FakeConnector>, key: &PoolKey) -> Result<http::StatusCode, PoolError> {
     pool.send_request(key, connect_req())
         .await
-        .map(|(resp, _send)| resp.status())
+        .map(|s| s.response.status())
+}
+
+/// A CONNECT to `key` answered 200, its stream kept open.
+async fn open(pool: &Pool<FakeConnector>, key: &PoolKey) -> PooledStream {
+    let s = pool.send_request(key, connect_req()).await.expect("open");
+    assert_eq!(s.response.status(), 200);
+    s
 }
 
 #[tokio::test]
 async fn streams_share_one_connection() {
-    let pool = Pool::with_connector(FakeConnector::new(&[Peer::Accept]));
+    let pool = pool(&[Peer::Accept]);
     for _ in 0..3 {
         assert_eq!(status(&pool, &key("bob")).await.expect("ok"), 200);
     }
@@ -168,7 +180,7 @@ async fn streams_share_one_connection() {
 
 #[tokio::test]
 async fn refused_stream_is_retried_once_on_a_fresh_connection() {
-    let pool = Pool::with_connector(FakeConnector::new(&[Peer::Refuse, Peer::Accept]));
+    let pool = pool(&[Peer::Refuse, Peer::Accept]);
     assert_eq!(status(&pool, &key("bob")).await.expect("retried"), 200);
     assert_eq!(pool.connector.dials(), 2);
     // the fresh connection replaced the refusing one in the pool
@@ -178,14 +190,14 @@ async fn refused_stream_is_retried_once_on_a_fresh_connection() {
 
 #[tokio::test]
 async fn goaway_excluding_the_stream_is_retried_on_a_fresh_connection() {
-    let pool = Pool::with_connector(FakeConnector::new(&[Peer::GoAway, Peer::Accept]));
+    let pool = pool(&[Peer::GoAway, Peer::Accept]);
     assert_eq!(status(&pool, &key("bob")).await.expect("retried"), 200);
     assert_eq!(pool.connector.dials(), 2);
 }
 
 #[tokio::test]
 async fn a_second_refusal_is_returned_not_retried_again() {
-    let pool = Pool::with_connector(FakeConnector::new(&[Peer::Refuse]));
+    let pool = pool(&[Peer::Refuse]);
     let err = status(&pool, &key("bob")).await.expect_err("refused twice");
     assert!(
         matches!(&err, PoolError::Stream { source, .. } if source.reason() == Some(h2::Reason::REFUSED_STREAM)),
@@ -196,7 +208,7 @@ async fn a_second_refusal_is_returned_not_retried_again() {
 
 #[tokio::test(start_paused = true)]
 async fn unused_connections_are_released_and_their_keys_pruned() {
-    let pool = Pool::with_connector(FakeConnector::new(&[Peer::Accept]));
+    let pool = pool(&[Peer::Accept]);
     let (a, b) = (key("bob"), key("carol"));
     assert_eq!(status(&pool, &a).await.expect("a"), 200);
     assert_eq!(status(&pool, &b).await.expect("b"), 200);
@@ -239,11 +251,104 @@ async fn sweep_drops_keys_whose_dial_failed() {
             })
         }
     }
-    let pool = Pool::with_connector(Unreachable);
+    let pool = Pool::with_connector(Unreachable, PoolConfig::default());
     for dst in ["bob", "carol", "dave"] {
-        assert!(pool.sender(&key(dst)).await.is_err());
+        assert!(pool.send_request(&key(dst), connect_req()).await.is_err());
     }
     assert_eq!(pool.len(), 3);
     assert_eq!(pool.sweep(), 3);
     assert!(pool.is_empty());
+}
+
+/// The cap is on streams open at once (ztunnel's `stream_count` goes down as streams end): 101
+/// streams held open need a second connection; once they have ended, any number of later streams
+/// ride the pooled connections without a new dial (a cap on streams over a connection's life
+/// dialed 5 times here).
+#[tokio::test]
+async fn the_stream_cap_counts_open_streams_not_streams_ever_opened() {
+    let pool = pool(&[Peer::Accept]);
+    let k = key("bob");
+    let mut streams = Vec::new();
+    for _ in 0..101 {
+        streams.push(open(&pool, &k).await);
+    }
+    assert_eq!(
+        pool.connector.dials(),
+        2,
+        "100 streams per connection at once"
+    );
+    assert_eq!(pool.connections(&k), 2);
+    drop(streams);
+    for _ in 0..300 {
+        assert_eq!(status(&pool, &k).await.expect("reuse"), 200);
+    }
+    assert_eq!(pool.connector.dials(), 2, "ended streams free their slots");
+}
+
+/// `POOL_MAX_STREAMS_PER_CONNECTION` sets the cap; new streams fill the oldest connection with
+/// room first, and a stream that ends frees its place on its own connection.
+#[tokio::test]
+async fn the_configured_cap_applies_and_the_oldest_connection_fills_first() {
+    let config = PoolConfig {
+        max_streams_per_connection: 2,
+        ..PoolConfig::default()
+    };
+    let pool = Pool::with_connector(FakeConnector::new(&[Peer::Accept]), config);
+    let k = key("bob");
+    let a = open(&pool, &k).await;
+    let b = open(&pool, &k).await;
+    let c = open(&pool, &k).await;
+    assert_eq!(
+        pool.connector.dials(),
+        2,
+        "a third stream needs a second connection"
+    );
+    drop(a);
+    let d = open(&pool, &k).await;
+    assert_eq!(
+        pool.connector.dials(),
+        2,
+        "a's place on the first connection is free"
+    );
+    let e = open(&pool, &k).await;
+    assert_eq!(pool.connector.dials(), 2, "the second connection had room");
+    let f = open(&pool, &k).await;
+    assert_eq!(pool.connector.dials(), 3, "both full");
+    drop((b, c, d, e, f));
+}
+
+/// A connection is released only once no stream is open on it and none started or ended on it
+/// for the configured timeout; the key goes with its last connection.
+#[tokio::test(start_paused = true)]
+async fn a_connection_is_released_after_the_configured_unused_timeout() {
+    let config = PoolConfig {
+        unused_release_timeout: Duration::from_secs(10),
+        ..PoolConfig::default()
+    };
+    let pool = Pool::with_connector(FakeConnector::new(&[Peer::Accept]), config);
+    let k = key("bob");
+    let long = open(&pool, &k).await;
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    assert_eq!(pool.sweep(), 0, "a stream is open on it");
+    drop(long);
+    tokio::time::sleep(Duration::from_secs(9)).await;
+    assert_eq!(pool.sweep(), 0, "its stream ended 9 s ago");
+    assert_eq!(status(&pool, &k).await.expect("reuse"), 200);
+    assert_eq!(pool.connector.dials(), 1);
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    assert_eq!(pool.sweep(), 1, "unused for 11 s");
+    assert!(pool.is_empty());
+    let mut closed = pool.connector.closed(0);
+    tokio::time::timeout(Duration::from_secs(5), closed.wait_for(|c| *c))
+        .await
+        .expect("the released connection closed")
+        .expect("flag");
+    assert_eq!(status(&pool, &k).await.expect("anew"), 200);
+    assert_eq!(pool.connector.dials(), 2);
+    assert_eq!(config.sweep_interval(), Duration::from_secs(5));
+    assert_eq!(
+        PoolConfig::default().sweep_interval(),
+        POOL_SWEEP_INTERVAL,
+        "5 min: every 30 s"
+    );
 }
