@@ -107,6 +107,16 @@ struct ProxyOpts {
     /// Kubernetes-mode agent).
     #[arg(long)]
     identity_from_handoff: bool,
+    /// Do not serve the in-pod DNS proxy on 15053 (ztunnel's `DNS_CAPTURE` proxy metadata off).
+    #[arg(long)]
+    no_dns_proxy: bool,
+    /// Resolver config whose nameservers get the DNS queries the DNS proxy forwards (read once
+    /// at start; default the node's own).
+    #[arg(long, env = "DNS_RESOLV_CONF", default_value = ztnode::proxy::dns::DEFAULT_RESOLV_CONF)]
+    dns_resolv_conf: PathBuf,
+    /// Cluster DNS domain of the pods' search domains (`<ns>.svc.<domain>`).
+    #[arg(long, env = "CLUSTER_DOMAIN", default_value = ztnode::proxy::dns::DEFAULT_CLUSTER_DOMAIN)]
+    cluster_domain: String,
 }
 
 /// `ztnode proxy` / `ztunnel`.
@@ -511,6 +521,11 @@ fn proxy_config(
         readiness_addr: p.readiness_addr,
         metrics_addr: p.metrics_addr,
         identity_from_handoff: p.identity_from_handoff,
+        dns: ztnode::proxy::dns::DnsOptions {
+            enabled: !p.no_dns_proxy,
+            resolv_conf: p.dns_resolv_conf.clone(),
+            cluster_domain: p.cluster_domain.clone(),
+        },
     }
 }
 

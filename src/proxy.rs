@@ -17,6 +17,7 @@ pub mod authz;
 pub mod config;
 pub mod control;
 pub mod copy;
+pub mod dns;
 pub mod hbone;
 pub mod identity;
 pub mod inbound;
@@ -77,6 +78,8 @@ pub struct ProxyConfig {
     /// Serve pods the workload state does not list with their handoff identity (Kubernetes
     /// mode: the agent vouches for them; ztunnel does the same with ZDS `WorkloadInfo`).
     pub identity_from_handoff: bool,
+    /// The in-pod DNS proxy on 15053 (on by default, the node's `/etc/resolv.conf` upstreams).
+    pub dns: dns::DnsOptions,
 }
 
 impl ProxyConfig {
@@ -92,6 +95,7 @@ impl ProxyConfig {
             readiness_addr: mesh::DEFAULT_READINESS_ADDR,
             metrics_addr: mesh::DEFAULT_METRICS_ADDR,
             identity_from_handoff: false,
+            dns: dns::DnsOptions::default(),
         }
     }
 }
@@ -108,6 +112,9 @@ pub enum ProxyError {
         #[source]
         source: IdentityError,
     },
+    /// The DNS proxy's resolver config could not be read.
+    #[error(transparent)]
+    Dns(#[from] dns::ResolvConfError),
     /// The certificate manager could not be set up.
     #[error("certificates: {source}")]
     Certificates {
@@ -154,12 +161,14 @@ pub fn start(
             "certificates from Istio's CA"
         ),
     }
+    let dns = dns::DnsProxy::from_options(&cfg.dns)?;
     let ctx = Arc::new(ProxyContext {
         state,
         certs,
         metrics: Metrics::default(),
         mark: cfg.packet_mark,
         identity_from_handoff: cfg.identity_from_handoff,
+        dns,
     });
     let manager = ProxyManager::new(ctx);
     let (link, rx) = zds::in_process();

@@ -186,6 +186,7 @@ mod tests {
             metrics: Metrics::default(),
             mark: crate::mesh::PacketMark::DEFAULT,
             identity_from_handoff: false,
+            dns: None,
         });
         let (zds, _rx) = crate::zds::in_process();
         let policy: Arc<dyn crate::agent::enroll::EnrollmentPolicy> =

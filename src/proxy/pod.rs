@@ -8,6 +8,7 @@ use std::net::IpAddr;
 use std::sync::Arc;
 
 use crate::mesh::PacketMark;
+use crate::proxy::dns::DnsProxy;
 use crate::proxy::identity::{CertManager, Identity};
 use crate::proxy::metrics::Metrics;
 use crate::proxy::pool::Pool;
@@ -28,6 +29,8 @@ pub struct ProxyContext {
     /// Serve a pod the workload state does not know with the identity of its handoff
     /// (Kubernetes mode) instead of refusing it after [`crate::proxy::manager`]'s wait.
     pub identity_from_handoff: bool,
+    /// The in-pod DNS proxy (`None`: off, no 15053 in pods).
+    pub dns: Option<Arc<DnsProxy>>,
 }
 
 /// The running proxy of one pod (shared by its connection tasks).

@@ -15,7 +15,7 @@ use std::sync::mpsc as stdmpsc;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use socket2::{Domain, Protocol, SockAddr, SockRef, Socket, Type};
-use tokio::net::{TcpListener, TcpSocket, TcpStream};
+use tokio::net::{TcpListener, TcpSocket, TcpStream, UdpSocket};
 use tokio::sync::oneshot;
 
 use crate::mesh::PacketMark;
@@ -55,8 +55,10 @@ pub const STOCK_TARGET: usize = 16;
 const STOCK_LOW: usize = 8;
 
 enum Request {
-    /// Create one socket of this family and send it back.
+    /// Create one TCP socket of this family and send it back.
     Create(Domain, oneshot::Sender<Result<Socket, SocketError>>),
+    /// Create one UDP socket of this family and send it back.
+    CreateUdp(Domain, oneshot::Sender<Result<Socket, SocketError>>),
     /// Top the IPv4 stock up to [`STOCK_TARGET`].
     Refill,
 }
@@ -84,12 +86,19 @@ pub struct PodSockets {
 
 /// A non-blocking TCP socket of `domain` in the calling thread's netns, with SO_MARK `mark`.
 fn new_socket(domain: Domain, mark: PacketMark) -> Result<Socket, SocketError> {
-    let sock = Socket::new(
-        domain,
-        Type::STREAM.nonblocking().cloexec(),
-        Some(Protocol::TCP),
-    )
-    .map_err(io_err("socket"))?;
+    new_socket_of(domain, Type::STREAM, Protocol::TCP, mark)
+}
+
+/// A non-blocking socket of `domain`, `ty` and `proto` in the calling thread's netns, with SO_MARK
+/// `mark`.
+fn new_socket_of(
+    domain: Domain,
+    ty: Type,
+    proto: Protocol,
+    mark: PacketMark,
+) -> Result<Socket, SocketError> {
+    let sock =
+        Socket::new(domain, ty.nonblocking().cloexec(), Some(proto)).map_err(io_err("socket"))?;
     sock.set_mark(mark.get()).map_err(io_err("set SO_MARK"))?;
     Ok(sock)
 }
@@ -115,6 +124,10 @@ impl PodSockets {
                     match req {
                         Request::Create(domain, reply) => {
                             let _ = reply.send(new_socket(domain, mark));
+                        }
+                        Request::CreateUdp(domain, reply) => {
+                            let _ =
+                                reply.send(new_socket_of(domain, Type::DGRAM, Protocol::UDP, mark));
                         }
                         Request::Refill => {
                             let have = thread_stock.sockets().len();
@@ -165,6 +178,47 @@ impl PodSockets {
             let _ = self.tx.send(Request::Refill);
         }
         reply_rx.await.map_err(|_| SocketError::Stopped)?
+    }
+
+    /// A marked UDP socket of `domain` in the pod netns, made by the socket thread.
+    async fn udp_socket(&self, domain: Domain) -> Result<Socket, SocketError> {
+        let (reply_tx, reply_rx) = oneshot::channel();
+        self.tx
+            .send(Request::CreateUdp(domain, reply_tx))
+            .map_err(|_| SocketError::Stopped)?;
+        reply_rx.await.map_err(|_| SocketError::Stopped)?
+    }
+
+    /// A UDP socket bound to `addr` in the pod netns (port 0: any), with the packet mark; for a
+    /// non-zero port with SO_REUSEADDR, so a pod restarted in place can bind again at once.
+    pub async fn udp_bind(&self, addr: SocketAddr) -> Result<UdpSocket, SocketError> {
+        let sock = self.udp_socket(Domain::for_address(addr)).await?;
+        if addr.port() != 0 {
+            sock.set_reuse_address(true)
+                .map_err(io_err("set SO_REUSEADDR"))?;
+        }
+        if addr.is_ipv6() {
+            sock.set_only_v6(true).map_err(io_err("set IPV6_V6ONLY"))?;
+        }
+        sock.bind(&SockAddr::from(addr))
+            .map_err(io_err(format!("bind udp {addr}")))?;
+        UdpSocket::from_std(sock.into()).map_err(io_err("register udp socket"))
+    }
+
+    /// A TCP listener on exactly `addr` in the pod netns (e.g. `127.0.0.1:15053`), with
+    /// SO_REUSEADDR and the packet mark.
+    pub async fn listen_at(&self, addr: SocketAddr) -> Result<TcpListener, SocketError> {
+        let sock = self.socket(Domain::for_address(addr)).await?;
+        sock.set_reuse_address(true)
+            .map_err(io_err("set SO_REUSEADDR"))?;
+        if addr.is_ipv6() {
+            sock.set_only_v6(true).map_err(io_err("set IPV6_V6ONLY"))?;
+        }
+        sock.bind(&SockAddr::from(addr))
+            .map_err(io_err(format!("bind {addr}")))?;
+        sock.listen(LISTEN_BACKLOG)
+            .map_err(io_err(format!("listen {addr}")))?;
+        TcpListener::from_std(sock.into()).map_err(io_err("register listener"))
     }
 
     /// A listener on `[::]:port` (dual stack) or, when IPv6 is unavailable in the pod, `0.0.0.0:port`,

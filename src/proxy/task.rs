@@ -114,6 +114,7 @@ mod tests {
             metrics: Metrics::default(),
             mark: crate::mesh::PacketMark::DEFAULT,
             identity_from_handoff: false,
+            dns: None,
         })
     }
 
