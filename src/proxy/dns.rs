@@ -117,6 +117,10 @@ impl DnsProxy {
             }
             Err(e) => return Err(e),
         };
+        for lo in upstreams.servers.iter().filter(|s| s.ip().is_loopback()) {
+            // queries leave from the pod's netns, whose loopback is the pod's own
+            tracing::warn!(upstream = %lo, file = %opts.resolv_conf.display(), "loopback nameserver: pods cannot reach the node's loopback, queries to it will fail");
+        }
         if upstreams.servers.is_empty() {
             tracing::warn!(file = %opts.resolv_conf.display(), "no nameserver: forwarded DNS queries will get SERVFAIL");
         }

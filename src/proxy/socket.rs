@@ -77,7 +77,7 @@ impl Stock {
     }
 }
 
-/// Creates TCP sockets inside one pod's netns, all marked with the packet mark.
+/// Creates TCP and UDP sockets inside one pod's netns, all marked with the packet mark.
 #[derive(Debug, Clone)]
 pub struct PodSockets {
     tx: stdmpsc::Sender<Request>,
@@ -180,19 +180,23 @@ impl PodSockets {
         reply_rx.await.map_err(|_| SocketError::Stopped)?
     }
 
-    /// A marked UDP socket of `domain` in the pod netns, made by the socket thread.
-    async fn udp_socket(&self, domain: Domain) -> Result<Socket, SocketError> {
+    /// A marked socket of `domain` (UDP or TCP) in the pod netns, made by the socket thread (never
+    /// from the stock, and without starting one).
+    async fn fresh_socket(&self, domain: Domain, udp: bool) -> Result<Socket, SocketError> {
         let (reply_tx, reply_rx) = oneshot::channel();
-        self.tx
-            .send(Request::CreateUdp(domain, reply_tx))
-            .map_err(|_| SocketError::Stopped)?;
+        let req = if udp {
+            Request::CreateUdp(domain, reply_tx)
+        } else {
+            Request::Create(domain, reply_tx)
+        };
+        self.tx.send(req).map_err(|_| SocketError::Stopped)?;
         reply_rx.await.map_err(|_| SocketError::Stopped)?
     }
 
     /// A UDP socket bound to `addr` in the pod netns (port 0: any), with the packet mark; for a
     /// non-zero port with SO_REUSEADDR, so a pod restarted in place can bind again at once.
     pub async fn udp_bind(&self, addr: SocketAddr) -> Result<UdpSocket, SocketError> {
-        let sock = self.udp_socket(Domain::for_address(addr)).await?;
+        let sock = self.fresh_socket(Domain::for_address(addr), true).await?;
         if addr.port() != 0 {
             sock.set_reuse_address(true)
                 .map_err(io_err("set SO_REUSEADDR"))?;
@@ -208,7 +212,7 @@ impl PodSockets {
     /// A TCP listener on exactly `addr` in the pod netns (e.g. `127.0.0.1:15053`), with
     /// SO_REUSEADDR and the packet mark.
     pub async fn listen_at(&self, addr: SocketAddr) -> Result<TcpListener, SocketError> {
-        let sock = self.socket(Domain::for_address(addr)).await?;
+        let sock = self.fresh_socket(Domain::for_address(addr), false).await?;
         sock.set_reuse_address(true)
             .map_err(io_err("set SO_REUSEADDR"))?;
         if addr.is_ipv6() {
@@ -348,6 +352,20 @@ mod tests {
         assert_eq!(mark, PacketMark::DEFAULT.get());
         let (_accepted, peer) = listener.accept().await.expect("accept");
         assert_eq!(canonical(peer).ip(), IpAddr::V4(Ipv4Addr::LOCALHOST));
+    }
+
+    #[tokio::test]
+    async fn udp_sockets_and_address_listeners_carry_the_mark_without_a_stock() {
+        let ns = Netns::current().expect("own netns");
+        let socks = PodSockets::new(&ns, PacketMark::DEFAULT).expect("socket thread");
+        let any: SocketAddr = "127.0.0.1:0".parse().expect("addr");
+        let udp = socks.udp_bind(any).await.expect("udp");
+        let tcp = socks.listen_at(any).await.expect("tcp");
+        for sock in [SockRef::from(&udp), SockRef::from(&tcp)] {
+            assert_eq!(sock.mark().expect("mark"), PacketMark::DEFAULT.get());
+        }
+        assert!(tcp.local_addr().expect("addr").ip().is_loopback());
+        assert!(socks.stock.sockets().is_empty(), "no stock for listeners");
     }
 
     #[tokio::test]
