@@ -193,14 +193,11 @@ impl PodSockets {
         reply_rx.await.map_err(|_| SocketError::Stopped)?
     }
 
-    /// A UDP socket bound to `addr` in the pod netns (port 0: any), with the packet mark; for a
-    /// non-zero port with SO_REUSEADDR, so a pod restarted in place can bind again at once.
+    /// A UDP socket bound to `addr` in the pod netns (port 0: any), with the packet mark. No
+    /// SO_REUSEADDR: UDP has no TIME_WAIT to wait out, and with it a second socket could bind the
+    /// same port and take its datagrams.
     pub async fn udp_bind(&self, addr: SocketAddr) -> Result<UdpSocket, SocketError> {
         let sock = self.fresh_socket(Domain::for_address(addr), true).await?;
-        if addr.port() != 0 {
-            sock.set_reuse_address(true)
-                .map_err(io_err("set SO_REUSEADDR"))?;
-        }
         if addr.is_ipv6() {
             sock.set_only_v6(true).map_err(io_err("set IPV6_V6ONLY"))?;
         }
