@@ -102,6 +102,16 @@ struct ProxyOpts {
     /// Metrics address (`/metrics`).
     #[arg(long, default_value_t = mesh::DEFAULT_METRICS_ADDR)]
     metrics_addr: SocketAddr,
+    /// Do not serve the in-pod DNS proxy on 15053 (ztunnel's `DNS_CAPTURE` proxy metadata off).
+    #[arg(long)]
+    no_dns_proxy: bool,
+    /// Resolver config whose nameservers get the DNS queries the DNS proxy forwards (read once
+    /// at start; default the node's own).
+    #[arg(long, env = "DNS_RESOLV_CONF", default_value = ztnode::proxy::dns::DEFAULT_RESOLV_CONF)]
+    dns_resolv_conf: PathBuf,
+    /// Cluster DNS domain of the pods' search domains (`<ns>.svc.<domain>`).
+    #[arg(long, env = "CLUSTER_DOMAIN", default_value = ztnode::proxy::dns::DEFAULT_CLUSTER_DOMAIN)]
+    cluster_domain: String,
 }
 
 /// `ztnode proxy` / `ztunnel`.
@@ -505,6 +515,11 @@ fn proxy_config(
         readiness_addr: p.readiness_addr,
         metrics_addr: p.metrics_addr,
         pool: env.pool,
+        dns: ztnode::proxy::dns::DnsOptions {
+            enabled: !p.no_dns_proxy,
+            resolv_conf: p.dns_resolv_conf.clone(),
+            cluster_domain: p.cluster_domain.clone(),
+        },
     }
 }
 

@@ -17,6 +17,7 @@ pub mod authz;
 pub mod config;
 pub mod control;
 pub mod copy;
+pub mod dns;
 pub mod hbone;
 pub mod identity;
 pub mod inbound;
@@ -78,6 +79,8 @@ pub struct ProxyConfig {
     /// The outbound HBONE pool of every pod (ztunnel `POOL_MAX_STREAMS_PER_CONNECTION`,
     /// `POOL_UNUSED_RELEASE_TIMEOUT`).
     pub pool: pool::PoolConfig,
+    /// The in-pod DNS proxy on 15053 (on by default, the node's `/etc/resolv.conf` upstreams).
+    pub dns: dns::DnsOptions,
 }
 
 impl ProxyConfig {
@@ -94,6 +97,7 @@ impl ProxyConfig {
             readiness_addr: mesh::DEFAULT_READINESS_ADDR,
             metrics_addr: mesh::DEFAULT_METRICS_ADDR,
             pool: pool::PoolConfig::default(),
+            dns: dns::DnsOptions::default(),
         }
     }
 }
@@ -110,6 +114,9 @@ pub enum ProxyError {
         #[source]
         source: IdentityError,
     },
+    /// The DNS proxy's resolver config could not be read.
+    #[error(transparent)]
+    Dns(#[from] dns::ResolvConfError),
     /// The certificate manager could not be set up.
     #[error("certificates: {source}")]
     Certificates {
@@ -156,6 +163,7 @@ pub fn start(
             "certificates from Istio's CA"
         ),
     }
+    let dns = dns::DnsProxy::from_options(&cfg.dns)?;
     let ctx = Arc::new(ProxyContext {
         state,
         certs,
@@ -163,6 +171,7 @@ pub fn start(
         mark: cfg.packet_mark,
         local: Default::default(),
         pool: cfg.pool,
+        dns,
     });
     let manager = ProxyManager::new(ctx);
     let (link, rx) = zds::in_process();

@@ -187,6 +187,7 @@ mod tests {
             mark: crate::mesh::PacketMark::DEFAULT,
             local: Default::default(),
             pool: crate::proxy::pool::PoolConfig::default(),
+            dns: None,
         });
         let (zds, _rx) = crate::zds::in_process();
         let policy: Arc<dyn crate::agent::enroll::EnrollmentPolicy> =

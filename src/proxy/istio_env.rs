@@ -54,7 +54,6 @@ const UNSUPPORTED: &[&str] = &[
     "TLS12_ENABLED",
     "COMPLIANCE_POLICY",
     "AUTHZ_POLICY_INFO_LOGGING",
-    "CLUSTER_DOMAIN",
     "DNS_PROXY_ADDR",
 ];
 

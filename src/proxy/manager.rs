@@ -5,7 +5,8 @@
 //! ztunnel), make sure its identity has a certificate ([`CertManager::ensure`]: with a remote CA
 //! the Add, and so readiness, waits for it; a refusal fails the Add), open a socket thread in the
 //! pod netns, bind 15001 (outbound), 15006 (inbound
-//! plaintext) and 15008 (HBONE) there, and serve them until the pod is deleted. An Add for a uid that
+//! plaintext), 15008 (HBONE) and, with the DNS proxy on, 15053 on localhost (UDP and TCP,
+//! [`dns`]) there, and serve them until the pod is deleted. An Add for a uid that
 //! already runs with the same netns is acked without change; with another netns (sandbox recreated)
 //! the old set is stopped first. A Del stops the set and every connection it carries immediately, and
 //! releases the pod's reference on its certificate (the last pod of an identity drops it).
@@ -19,7 +20,7 @@ use serde::Serialize;
 use tokio::net::TcpListener;
 use tokio::task::{AbortHandle, JoinSet};
 
-use crate::mesh::{HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT};
+use crate::mesh::{DNS_PORT, HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT};
 use crate::netns::{Netns, NetnsId};
 use crate::proxy::identity::{CertManager, Identity, IdentityError};
 use crate::proxy::live::PolicyWatcher;
@@ -27,7 +28,7 @@ use crate::proxy::pod::{PodProxy, ProxyContext};
 use crate::proxy::pool::Pool;
 use crate::proxy::socket::{PodSockets, SocketError};
 use crate::proxy::state::Workload;
-use crate::proxy::{inbound, outbound, tls};
+use crate::proxy::{dns, inbound, outbound, tls};
 use crate::zds::{InProcessReceiver, Nack, WorkloadInfo, WorkloadRequest};
 
 /// Errors starting a pod's proxy set.
@@ -239,6 +240,10 @@ impl ProxyManager {
         for l in [&outbound_l, &inbound_l, &hbone_l] {
             tune_listener(l);
         }
+        let dns_l = match &self.ctx.dns {
+            Some(_) => Some(dns::bind(&sockets).await?),
+            None => None,
+        };
         let server_tls = tls::server_config(self.ctx.certs.clone(), identity.clone())?;
         let ips = workload.workload_ips.clone();
         let pod = Arc::new(PodProxy {
@@ -253,11 +258,12 @@ impl ProxyManager {
         });
         let span = tracing::info_span!("pod", %uid, name = %info.name, namespace = %info.namespace);
         let task = tokio::spawn(tracing::Instrument::instrument(
-            serve(pod, outbound_l, inbound_l, hbone_l),
+            serve(pod, outbound_l, inbound_l, hbone_l, dns_l),
             span,
         ))
         .abort_handle();
-        tracing::info!(%uid, %identity, netns = %netns.id(), ports = ?[OUTBOUND_PORT, INBOUND_PLAINTEXT_PORT, HBONE_PORT], "pod proxy listening");
+        let dns_port = self.ctx.dns.as_ref().map(|_| DNS_PORT);
+        tracing::info!(%uid, %identity, netns = %netns.id(), ports = ?[OUTBOUND_PORT, INBOUND_PLAINTEXT_PORT, HBONE_PORT], dns = ?dns_port, "pod proxy listening");
         let status = PodStatus {
             info,
             state: "Up",
@@ -338,18 +344,22 @@ impl Drop for CertHold<'_> {
     }
 }
 
-/// Accepts on the three listeners; connection tasks live in a JoinSet so aborting this task ends
-/// them. Accepted sockets inherit TCP_NODELAY and TCP keepalive from the listeners
-/// ([`tune_listener`]); the outbound pool is swept every
-/// [`PoolConfig::sweep_interval`](crate::proxy::pool::PoolConfig::sweep_interval); open inbound
-/// connections are re-checked when the policies change ([`PolicyWatcher`]).
+/// Accepts on the three listeners and serves the pod's DNS proxy ([`dns::serve`]) when it has one;
+/// connection tasks live in a JoinSet so aborting this task ends them. Accepted sockets inherit
+/// TCP_NODELAY and TCP keepalive from the listeners ([`tune_listener`]); the outbound pool is
+/// swept every [`PoolConfig::sweep_interval`](crate::proxy::pool::PoolConfig::sweep_interval);
+/// open inbound connections are re-checked when the policies change ([`PolicyWatcher`]).
 async fn serve(
     pod: Arc<PodProxy>,
     outbound_l: TcpListener,
     inbound_l: TcpListener,
     hbone_l: TcpListener,
+    dns_l: Option<dns::PodDns>,
 ) {
     let mut conns = JoinSet::new();
+    if let (Some(listeners), Some(d)) = (dns_l, pod.ctx.dns.clone()) {
+        conns.spawn(dns::serve(pod.clone(), d, listeners));
+    }
     let mut sweep = tokio::time::interval(pod.pool.config().sweep_interval());
     sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut policies = PolicyWatcher::new(
@@ -459,6 +469,7 @@ mod tests {
             mark: crate::mesh::PacketMark::DEFAULT,
             local: Default::default(),
             pool: crate::proxy::pool::PoolConfig::default(),
+            dns: None,
         });
         let manager = ProxyManager::new(ctx);
         let info = WorkloadInfo {

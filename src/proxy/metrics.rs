@@ -15,6 +15,7 @@ use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::proxy::copy::Transferred;
+use crate::proxy::dns::metrics::DnsMetrics;
 
 /// Bytes of one finished connection, by direction of the original request.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -79,6 +80,8 @@ pub struct Metrics {
     failed: [AtomicU64; 2],
     sent: [AtomicU64; 2],
     received: [AtomicU64; 2],
+    /// The DNS proxy's counters (rendered after the TCP ones).
+    pub dns: DnsMetrics,
 }
 
 impl Metrics {
@@ -121,6 +124,7 @@ impl Metrics {
                 );
             }
         }
+        self.dns.render(&mut out);
         out
     }
 

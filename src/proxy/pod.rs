@@ -9,6 +9,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, PoisonError, RwLock};
 
 use crate::mesh::PacketMark;
+use crate::proxy::dns::DnsProxy;
 use crate::proxy::identity::{CertManager, Identity};
 use crate::proxy::live::LiveConnections;
 use crate::proxy::metrics::Metrics;
@@ -33,6 +34,8 @@ pub struct ProxyContext {
     /// pod served from its handoff before the workload source lists it is still an HBONE
     /// destination for the other pods here (never plain TCP), see [`PodProxy::local_hbone`].
     pub local: LocalPods,
+    /// The in-pod DNS proxy (`None`: off, no 15053 in pods).
+    pub dns: Option<Arc<DnsProxy>>,
 }
 
 /// IP → identity of the pods a proxy serves (see [`ProxyContext::local`]).

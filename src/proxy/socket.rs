@@ -15,7 +15,7 @@ use std::sync::mpsc as stdmpsc;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use socket2::{Domain, Protocol, SockAddr, SockRef, Socket, Type};
-use tokio::net::{TcpListener, TcpSocket, TcpStream};
+use tokio::net::{TcpListener, TcpSocket, TcpStream, UdpSocket};
 use tokio::sync::oneshot;
 
 use crate::mesh::PacketMark;
@@ -55,8 +55,10 @@ pub const STOCK_TARGET: usize = 16;
 const STOCK_LOW: usize = 8;
 
 enum Request {
-    /// Create one socket of this family and send it back.
+    /// Create one TCP socket of this family and send it back.
     Create(Domain, oneshot::Sender<Result<Socket, SocketError>>),
+    /// Create one UDP socket of this family and send it back.
+    CreateUdp(Domain, oneshot::Sender<Result<Socket, SocketError>>),
     /// Top the IPv4 stock up to [`STOCK_TARGET`].
     Refill,
 }
@@ -75,7 +77,7 @@ impl Stock {
     }
 }
 
-/// Creates TCP sockets inside one pod's netns, all marked with the packet mark.
+/// Creates TCP and UDP sockets inside one pod's netns, all marked with the packet mark.
 #[derive(Debug, Clone)]
 pub struct PodSockets {
     tx: stdmpsc::Sender<Request>,
@@ -84,12 +86,19 @@ pub struct PodSockets {
 
 /// A non-blocking TCP socket of `domain` in the calling thread's netns, with SO_MARK `mark`.
 fn new_socket(domain: Domain, mark: PacketMark) -> Result<Socket, SocketError> {
-    let sock = Socket::new(
-        domain,
-        Type::STREAM.nonblocking().cloexec(),
-        Some(Protocol::TCP),
-    )
-    .map_err(io_err("socket"))?;
+    new_socket_of(domain, Type::STREAM, Protocol::TCP, mark)
+}
+
+/// A non-blocking socket of `domain`, `ty` and `proto` in the calling thread's netns, with SO_MARK
+/// `mark`.
+fn new_socket_of(
+    domain: Domain,
+    ty: Type,
+    proto: Protocol,
+    mark: PacketMark,
+) -> Result<Socket, SocketError> {
+    let sock =
+        Socket::new(domain, ty.nonblocking().cloexec(), Some(proto)).map_err(io_err("socket"))?;
     sock.set_mark(mark.get()).map_err(io_err("set SO_MARK"))?;
     Ok(sock)
 }
@@ -115,6 +124,10 @@ impl PodSockets {
                     match req {
                         Request::Create(domain, reply) => {
                             let _ = reply.send(new_socket(domain, mark));
+                        }
+                        Request::CreateUdp(domain, reply) => {
+                            let _ =
+                                reply.send(new_socket_of(domain, Type::DGRAM, Protocol::UDP, mark));
                         }
                         Request::Refill => {
                             let have = thread_stock.sockets().len();
@@ -165,6 +178,48 @@ impl PodSockets {
             let _ = self.tx.send(Request::Refill);
         }
         reply_rx.await.map_err(|_| SocketError::Stopped)?
+    }
+
+    /// A marked socket of `domain` (UDP or TCP) in the pod netns, made by the socket thread (never
+    /// from the stock, and without starting one).
+    async fn fresh_socket(&self, domain: Domain, udp: bool) -> Result<Socket, SocketError> {
+        let (reply_tx, reply_rx) = oneshot::channel();
+        let req = if udp {
+            Request::CreateUdp(domain, reply_tx)
+        } else {
+            Request::Create(domain, reply_tx)
+        };
+        self.tx.send(req).map_err(|_| SocketError::Stopped)?;
+        reply_rx.await.map_err(|_| SocketError::Stopped)?
+    }
+
+    /// A UDP socket bound to `addr` in the pod netns (port 0: any), with the packet mark. No
+    /// SO_REUSEADDR: UDP has no TIME_WAIT to wait out, and with it a second socket could bind the
+    /// same port and take its datagrams.
+    pub async fn udp_bind(&self, addr: SocketAddr) -> Result<UdpSocket, SocketError> {
+        let sock = self.fresh_socket(Domain::for_address(addr), true).await?;
+        if addr.is_ipv6() {
+            sock.set_only_v6(true).map_err(io_err("set IPV6_V6ONLY"))?;
+        }
+        sock.bind(&SockAddr::from(addr))
+            .map_err(io_err(format!("bind udp {addr}")))?;
+        UdpSocket::from_std(sock.into()).map_err(io_err("register udp socket"))
+    }
+
+    /// A TCP listener on exactly `addr` in the pod netns (e.g. `127.0.0.1:15053`), with
+    /// SO_REUSEADDR and the packet mark.
+    pub async fn listen_at(&self, addr: SocketAddr) -> Result<TcpListener, SocketError> {
+        let sock = self.fresh_socket(Domain::for_address(addr), false).await?;
+        sock.set_reuse_address(true)
+            .map_err(io_err("set SO_REUSEADDR"))?;
+        if addr.is_ipv6() {
+            sock.set_only_v6(true).map_err(io_err("set IPV6_V6ONLY"))?;
+        }
+        sock.bind(&SockAddr::from(addr))
+            .map_err(io_err(format!("bind {addr}")))?;
+        sock.listen(LISTEN_BACKLOG)
+            .map_err(io_err(format!("listen {addr}")))?;
+        TcpListener::from_std(sock.into()).map_err(io_err("register listener"))
     }
 
     /// A listener on `[::]:port` (dual stack) or, when IPv6 is unavailable in the pod, `0.0.0.0:port`,
@@ -305,6 +360,20 @@ mod tests {
         assert_eq!(mark, PacketMark::DEFAULT.get());
         let (_accepted, peer) = listener.accept().await.expect("accept");
         assert_eq!(canonical(peer).ip(), IpAddr::V4(Ipv4Addr::LOCALHOST));
+    }
+
+    #[tokio::test]
+    async fn udp_sockets_and_address_listeners_carry_the_mark_without_a_stock() {
+        let ns = Netns::current().expect("own netns");
+        let socks = PodSockets::new(&ns, PacketMark::DEFAULT).expect("socket thread");
+        let any: SocketAddr = "127.0.0.1:0".parse().expect("addr");
+        let udp = socks.udp_bind(any).await.expect("udp");
+        let tcp = socks.listen_at(any).await.expect("tcp");
+        for sock in [SockRef::from(&udp), SockRef::from(&tcp)] {
+            assert_eq!(sock.mark().expect("mark"), PacketMark::DEFAULT.get());
+        }
+        assert!(tcp.local_addr().expect("addr").ip().is_loopback());
+        assert!(socks.stock.sockets().is_empty(), "no stock for listeners");
     }
 
     #[tokio::test]

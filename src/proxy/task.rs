@@ -122,6 +122,7 @@ mod tests {
             mark: crate::mesh::PacketMark::DEFAULT,
             local: Default::default(),
             pool: crate::proxy::pool::PoolConfig::default(),
+            dns: None,
         })
     }
 
