@@ -86,7 +86,13 @@ fn wait_log(path: &Path, needles: &[&str], timeout: Duration) -> String {
     let deadline = Instant::now() + timeout;
     loop {
         let text = log_text(path);
-        if let Some(l) = text.lines().find(|l| needles.iter().all(|n| l.contains(n))) {
+        if let Some(l) = text
+            .split_inclusive('\n')
+            // only whole lines: the process may be halfway through writing the last one
+            .filter(|l| l.ends_with('\n'))
+            .map(|l| l.trim_end_matches('\n'))
+            .find(|l| needles.iter().all(|n| l.contains(n)))
+        {
             return l.to_owned();
         }
         assert!(

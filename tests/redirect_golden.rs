@@ -553,3 +553,37 @@ fn tcp_from_a_virtual_interface_is_redirected_to_15001() -> Result<()> {
     ensure!(original_dst(&s)? == target, "original dst lost");
     Ok(())
 }
+
+/// An agent restart re-applies each pod's unchanged plan: the tables stay in place (same
+/// handles), so our base chains keep running before a pod's own nat chain of the same hook and
+/// priority registered after them (the kernel orders those by registration). A changed plan still
+/// replaces them.
+#[test]
+fn reapplying_an_unchanged_plan_leaves_the_tables_in_place() -> Result<()> {
+    if !privileged() {
+        return Ok(());
+    }
+    let c = &cases()?[0];
+    let ns = TestNs::new("keep")?;
+    redirect::apply(&ns.netns, &c.plan)?;
+    // the pod's own DNAT chain, added after ours at the same hook and priority
+    ns.exec(
+        "nft",
+        &["add table inet pod-own ; add chain inet pod-own pre { type nat hook prerouting priority -100 ; } ; add rule inet pod-own pre tcp dport 8080 dnat ip to 10.0.0.9:9090"],
+    )?;
+    let listing =
+        |ns: &TestNs| ns.exec("nft", &["-a", "list", "table", "inet", "istio-ambient-nat"]);
+    let before = listing(&ns)?;
+    ensure!(before.contains("# handle"), "{before}");
+    redirect::apply(&ns.netns, &c.plan)?;
+    let after = listing(&ns)?;
+    ensure!(
+        before == after,
+        "an unchanged plan recreated the table:\nbefore:\n{before}\nafter:\n{after}"
+    );
+    let mut changed = c.plan.clone();
+    changed.dns_capture = !changed.dns_capture;
+    redirect::apply(&ns.netns, &changed)?;
+    ensure!(listing(&ns)? != before, "a changed plan must be applied");
+    Ok(())
+}

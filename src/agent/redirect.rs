@@ -191,6 +191,11 @@ pub fn remove_batch() -> Batch {
 /// Idempotent: applying twice leaves the same state as applying once; applying another plan
 /// (e.g. a pod's options changed) converges to that plan. For a pod with options pass
 /// `node_plan.for_pod(&options)`. Blocking.
+///
+/// When the netns already holds exactly this plan's tables and rules (an agent restart re-applying
+/// a pod's rules), nothing is replaced: our base chains keep their place among the pod's own
+/// chains of the same hook and priority (the kernel runs those in registration order), so the
+/// redirect wins over a pod's own nat rules the same way before and after a restart.
 pub fn apply(netns: &Netns, plan: &RedirectPlan) -> Result<(), RedirectError> {
     let plan = plan.clone();
     netns.run(move || -> Result<(), RedirectError> {
@@ -200,9 +205,53 @@ pub fn apply(netns: &Netns, plan: &RedirectPlan) -> Result<(), RedirectError> {
                 existing.push(name);
             }
         }
-        apply_batch_for(&plan, &existing).commit()?;
+        if !is_current(&plan, &existing)? {
+            apply_batch_for(&plan, &existing).commit()?;
+        }
         routing::apply(plan.ipv6)
     })?
+}
+
+/// Whether the tables in `existing` (of the calling thread's netns) are exactly `plan`'s: the
+/// same tables, and in every chain of the plan the same rules in order (expression types and
+/// constants, [`nft::RuleSummary::matches`]). A plan chain without rules cannot be told from a
+/// missing one, so such a plan is never current.
+fn is_current(plan: &RedirectPlan, existing: &[&str]) -> Result<bool, NftError> {
+    let mut tables: Vec<&str> = Vec::new();
+    let mut chains: Vec<(Table, String, Vec<&[nft::Expr]>)> = Vec::new();
+    let commands = rules::commands(plan);
+    for c in &commands {
+        match c {
+            Command::AddTable(t) if !tables.contains(&t.name.as_str()) => tables.push(&t.name),
+            Command::AddChain(ch) => chains.push((ch.table.clone(), ch.name.clone(), Vec::new())),
+            Command::AddRule(r) => {
+                if let Some(entry) = chains
+                    .iter_mut()
+                    .find(|(t, n, _)| *t == r.table && *n == r.chain)
+                {
+                    entry.2.push(&r.exprs);
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut want = tables.clone();
+    want.sort_unstable();
+    let mut have = existing.to_vec();
+    have.sort_unstable();
+    if want != have {
+        return Ok(false);
+    }
+    for (table, chain, rules) in &chains {
+        if rules.is_empty() {
+            return Ok(false);
+        }
+        let listed = nft::list_rules(table, chain)?;
+        if listed.len() != rules.len() || !listed.iter().zip(rules).all(|(l, r)| l.matches(r)) {
+            return Ok(false);
+        }
+    }
+    Ok(true)
 }
 
 /// [`apply_batch`] trimmed for a netns where only the tables named in `existing` are present: the

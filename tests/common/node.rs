@@ -117,7 +117,13 @@ impl MeshNode {
         let deadline = Instant::now() + timeout;
         loop {
             let text = std::fs::read_to_string(path).unwrap_or_default();
-            if let Some(l) = text.lines().find(|l| needles.iter().all(|n| l.contains(n))) {
+            if let Some(l) = text
+                .split_inclusive('\n')
+                // only whole lines: the process may be halfway through writing the last one
+                .filter(|l| l.ends_with('\n'))
+                .map(|l| l.trim_end_matches('\n'))
+                .find(|l| needles.iter().all(|n| l.contains(n)))
+            {
                 return l.to_owned();
             }
             assert!(
