@@ -243,6 +243,9 @@ fn enrollment_and_the_status_annotation_follow_the_labels() {
     // a namespace labelled while its pods run: they are found in procfs and enrolled; a pod
     // whose IP the API does not show yet waits for it
     node.api.clear_pod_ips("shop", "web");
+    // the pod and namespace watches are separate streams: let the pod's update arrive first, or
+    // the label may be seen with the old IP still there (then web is enrolled at once)
+    std::thread::sleep(Duration::from_millis(500));
     node.api
         .label_namespace("shop", json!({"istio.io/dataplane-mode": AMBIENT}));
     MeshNode::wait_log_in(&node.mesh.log, &["shop/web", "no IP in its status yet"], t);

@@ -22,7 +22,8 @@ use std::sync::Arc;
 
 use crate::mesh::HBONE_PORT;
 use crate::proxy::config::{
-    GatewayAddress, GatewayDestination, HealthStatus, LoadBalancerHealthPolicy, LoadBalancerMode,
+    GatewayAddress, GatewayDestination, HealthStatus, LoadBalancer, LoadBalancerHealthPolicy,
+    LoadBalancerMode, LoadBalancerScope,
 };
 use crate::proxy::identity::Identity;
 use crate::proxy::state::{Protocol, ProxyState, Service, Workload};
@@ -90,7 +91,7 @@ pub fn route(
             return Ok(route);
         }
         let endpoints = eligible_endpoints(state, &svc);
-        let Some(ep) = pick(&endpoints, client) else {
+        let Some(ep) = pick_endpoint(&endpoints, src, svc.load_balancer.as_ref()) else {
             let passthrough = svc
                 .load_balancer
                 .as_ref()
@@ -244,6 +245,65 @@ fn ip_like(w: &Workload, dst: SocketAddr) -> Option<std::net::IpAddr> {
 }
 
 /// Picks an endpoint deterministically per client port (simple spread without randomness).
+/// The endpoint of a service a connection from `src` goes to, as ztunnel chooses it: among the
+/// endpoints the service's routing preference keeps, one uniformly at random.
+///
+/// With `routingPreferences` `[s1, s2, ...]` an endpoint's rank is how many of the leading scopes
+/// it shares with `src` (region, zone, subzone, node, cluster, network). `Strict` keeps the
+/// endpoints that share all of them (none: no endpoint); `Failover` keeps those of the highest
+/// rank present; `Standard` (or no preference) keeps all.
+fn pick_endpoint<'a>(
+    endpoints: &'a [Arc<Workload>],
+    src: &Workload,
+    lb: Option<&LoadBalancer>,
+) -> Option<&'a Arc<Workload>> {
+    let rank = |ep: &Workload, scopes: &[LoadBalancerScope]| {
+        scopes
+            .iter()
+            .take_while(|scope| same_scope(**scope, src, ep))
+            .count()
+    };
+    let kept: Vec<&Arc<Workload>> = match lb {
+        Some(lb) if !lb.routing_preferences.is_empty() => {
+            let scopes = &lb.routing_preferences;
+            match lb.mode {
+                LoadBalancerMode::Strict => endpoints
+                    .iter()
+                    .filter(|ep| rank(ep, scopes) == scopes.len())
+                    .collect(),
+                LoadBalancerMode::Failover => {
+                    let best = endpoints.iter().map(|ep| rank(ep, scopes)).max();
+                    endpoints
+                        .iter()
+                        .filter(|ep| Some(rank(ep, scopes)) == best)
+                        .collect()
+                }
+                LoadBalancerMode::Standard | LoadBalancerMode::Passthrough => {
+                    endpoints.iter().collect()
+                }
+            }
+        }
+        _ => endpoints.iter().collect(),
+    };
+    if kept.is_empty() {
+        return None;
+    }
+    kept.get(fastrand::usize(..kept.len())).copied()
+}
+
+/// Whether `a` and `b` share `scope` (an empty region/zone/subzone/cluster matches only empty).
+fn same_scope(scope: LoadBalancerScope, a: &Workload, b: &Workload) -> bool {
+    match scope {
+        LoadBalancerScope::Region => a.locality.region == b.locality.region,
+        LoadBalancerScope::Zone => a.locality.zone == b.locality.zone,
+        LoadBalancerScope::Subzone => a.locality.subzone == b.locality.subzone,
+        LoadBalancerScope::Node => a.node == b.node,
+        LoadBalancerScope::Cluster => a.cluster_id == b.cluster_id,
+        LoadBalancerScope::Network => a.network == b.network,
+    }
+}
+
+/// One of `endpoints` by the client's source port (waypoint instances).
 fn pick<T>(endpoints: &[T], client: SocketAddr) -> Option<&T> {
     if endpoints.is_empty() {
         return None;

@@ -291,7 +291,8 @@ services:
         &parse_local_config(&yaml("loadBalancer: {healthPolicy: AllowAll}")).expect("config"),
     )
     .expect("state");
-    let mut targets: Vec<SocketAddr> = (0..3)
+    // endpoints are picked at random: 300 connections reach all three
+    let mut targets: Vec<SocketAddr> = (0..300)
         .map(|p| {
             route(
                 &st,
@@ -304,6 +305,7 @@ services:
         })
         .collect();
     targets.sort();
+    targets.dedup();
     // b's explicit endpoint port wins over its workload's port map and the service's
     assert_eq!(
         targets,
@@ -337,5 +339,80 @@ fn a_passthrough_service_without_endpoints_goes_to_the_original_destination() {
     assert_eq!(
         route(&st, &src, addr("10.96.1.1:80"), addr(CLIENT)),
         Err(RouteError::NoEndpoints("ns/s.example".into()))
+    );
+}
+
+/// A client in zone `z1` of region `r1` and three endpoints of service `lb` (10.96.0.7:80): one in
+/// the client's zone, one in another zone of the region, one in another region; the service's
+/// load balancer is `lb`.
+fn zoned(lb: &str) -> ProxyState {
+    let ep = |name: &str, ip: &str, region: &str, zone: &str| {
+        format!(
+            "- {{uid: u-{name}, name: {name}, namespace: default, serviceAccount: {name}, workloadIps: [\"{ip}\"], \
+             protocol: HBONE, locality: {{region: {region}, zone: {zone}}}, services: {{\"default/lb.example\": {{80: 8080}}}}}}\n"
+        )
+    };
+    let yaml = format!(
+        "workloads:\n\
+         - {{uid: u-c, name: c, namespace: default, serviceAccount: c, workloadIps: [\"10.1.0.1\"], protocol: HBONE, locality: {{region: r1, zone: z1}}}}\n\
+         {}{}{}\
+         services:\n\
+         - {{name: lb, namespace: default, hostname: lb.example, vips: [\"/10.96.0.7\"], ports: {{80: 8080}}{lb}}}\n",
+        ep("same-zone", "10.1.0.2", "r1", "z1"),
+        ep("same-region", "10.1.0.3", "r1", "z2"),
+        ep("far", "10.1.0.4", "r2", "z9"),
+    );
+    ProxyState::from_config(&parse_local_config(&yaml).expect("config")).expect("state")
+}
+
+/// The endpoints 300 connections from `c` to the service land on.
+fn landings(st: &ProxyState) -> std::collections::BTreeSet<String> {
+    (0..300)
+        .filter_map(|_| route_from(st, "c", "10.96.0.7:80").ok())
+        .map(|r| r.target.ip().to_string())
+        .collect()
+}
+
+#[test]
+fn endpoints_are_picked_at_random_not_by_source_port() {
+    let st = zoned("");
+    // one client port every time: a source-port choice would always land on the same endpoint
+    assert_eq!(
+        landings(&st).into_iter().collect::<Vec<_>>(),
+        ["10.1.0.2", "10.1.0.3", "10.1.0.4"]
+    );
+}
+
+#[test]
+fn failover_prefers_the_closest_endpoints_and_strict_keeps_only_matching_ones() {
+    let failover = zoned(", loadBalancer: {routingPreferences: [Region, Zone], mode: Failover}");
+    assert_eq!(
+        landings(&failover).into_iter().collect::<Vec<_>>(),
+        ["10.1.0.2"]
+    );
+    let region_only = zoned(", loadBalancer: {routingPreferences: [Region], mode: Failover}");
+    assert_eq!(
+        landings(&region_only).into_iter().collect::<Vec<_>>(),
+        ["10.1.0.2", "10.1.0.3"]
+    );
+    let strict = zoned(", loadBalancer: {routingPreferences: [Region, Zone, Node], mode: Strict}");
+    // (no workload here names a node, so all share the empty one: only region and zone decide)
+    assert_eq!(
+        landings(&strict).into_iter().collect::<Vec<_>>(),
+        ["10.1.0.2"]
+    );
+    let strict_far = zoned(", loadBalancer: {routingPreferences: [Cluster, Region], mode: Strict}");
+    assert_eq!(
+        landings(&strict_far).into_iter().collect::<Vec<_>>(),
+        ["10.1.0.2", "10.1.0.3"]
+    );
+    // failover falls back when nothing is close
+    let st = zoned(", loadBalancer: {routingPreferences: [Zone], mode: Failover}");
+    assert_eq!(landings(&st).into_iter().collect::<Vec<_>>(), ["10.1.0.2"]);
+    let standard = zoned(", loadBalancer: {routingPreferences: [Zone], mode: Standard}");
+    assert_eq!(
+        landings(&standard).len(),
+        3,
+        "Standard ignores the preference"
     );
 }
