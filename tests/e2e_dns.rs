@@ -94,10 +94,11 @@ fn start_upstream(ns: &Netns) -> Seen {
         let mut buf = [0u8; 4096];
         while let Ok((n, peer)) = udp.recv_from(&mut buf) {
             if let Some(a) = upstream_answer(&buf[..n], false) {
-                let _ = udp.send_to(&a, peer);
+                // recorded before answering: the test reads the record once it has the answer
                 if let Ok(mut s) = log.lock() {
-                    s.push((peer, "udp", buf[..n].to_vec(), a));
+                    s.push((peer, "udp", buf[..n].to_vec(), a.clone()));
                 }
+                let _ = udp.send_to(&a, peer);
             }
         }
     });
@@ -109,11 +110,11 @@ fn start_upstream(ns: &Netns) -> Seen {
                 let Some(a) = upstream_answer(&q, true) else {
                     break;
                 };
+                if let Ok(mut l) = log.lock() {
+                    l.push((peer, "tcp", q, a.clone()));
+                }
                 if write_frame(&mut s, &a).is_err() {
                     break;
-                }
-                if let Ok(mut l) = log.lock() {
-                    l.push((peer, "tcp", q, a));
                 }
             }
         }

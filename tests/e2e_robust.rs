@@ -212,3 +212,77 @@ fn accepted_proxy_sockets_carry_tcp_keepalive() {
     assert_eq!(back, b"hold");
     assert_eq!(echo.join().expect("echo").as_deref(), Some(&b"hold"[..]));
 }
+
+/// Which of the server's two apps (8080 = the original port, 9090 = where the pod's own DNAT
+/// points) answers a plaintext connection from the outsider to server:8080.
+fn who_answers(node: &MeshNode) -> Option<u16> {
+    let outsider_ns = Netns::open(&node.outsider.netns_path).expect("outsider netns");
+    let mut c = Lab::connect_from(&outsider_ns, SocketAddr::new(node.server.ip, 8080)).ok()?;
+    c.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    let _ = c.write_all(b"who");
+    let _ = c.shutdown(std::net::Shutdown::Write);
+    let mut back = String::new();
+    c.read_to_string(&mut back).ok()?;
+    back.trim().parse().ok()
+}
+
+/// A pod's own nat rules (a DNAT of its port 8080 to 9090 at the same hook and priority as the
+/// in-pod redirect, installed after it as an app would) act the same way before and after a
+/// restart of the node: the restored pod's unchanged rules are left in place, not recreated,
+/// which would change their order among the chains of that hook and priority (the kernel runs
+/// the later registered first: today the pod's DNAT wins, as with Istio's rules at `dstnat`).
+#[test]
+fn a_pods_own_dnat_behaves_the_same_before_and_after_a_node_restart() {
+    if !common::privileged("a_pods_own_dnat_behaves_the_same_before_and_after_a_node_restart") {
+        return;
+    }
+    let mut node = MeshNode::start(&common::prefix("e2d"));
+    let server_ns = Netns::open(&node.server.netns_path).expect("server netns");
+    for port in [8080u16, 9090] {
+        let listener =
+            Lab::listen_in(&server_ns, SocketAddr::new(node.server.ip, port)).expect("listen");
+        std::thread::spawn(move || {
+            for mut s in listener.incoming().flatten() {
+                let mut buf = [0u8; 16];
+                let _ = s.read(&mut buf);
+                let _ = s.write_all(port.to_string().as_bytes());
+            }
+        });
+    }
+    let out = Command::new("ip")
+        .args(["netns", "exec", &node.server.netns_name, "nft"])
+        .arg(format!(
+            "add table inet pod-own ; add chain inet pod-own pre {{ type nat hook prerouting priority -100 ; }} ; add rule inet pod-own pre tcp dport 8080 dnat ip to {}:9090",
+            node.server.ip
+        ))
+        .output()
+        .expect("nft");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let before = who_answers(&node);
+    assert!(before.is_some(), "one of the apps answers");
+
+    // SIGKILL and start again: the pod's rules are restored
+    let pid = Pid::from_raw(node.process.0.id() as i32);
+    kill(pid, Signal::SIGKILL).expect("SIGKILL");
+    waitid(Id::Pid(pid), WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT).expect("wait for death");
+    let log = node.lab.dir().join("node-restarted.log");
+    node.process = start_again(&node, &log);
+    node.log = log;
+    node.wait_log(
+        &["pod table restored", "restored=2"],
+        Duration::from_secs(20),
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let after = loop {
+        let got = who_answers(&node);
+        if got.is_some() || Instant::now() >= deadline {
+            break got;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(after, before, "the restart changed who wins");
+}
