@@ -205,7 +205,8 @@ pub fn apply(netns: &Netns, plan: &RedirectPlan) -> Result<(), RedirectError> {
                 existing.push(name);
             }
         }
-        if !is_current(&plan, &existing)? {
+        // a listing that fails is no reason to keep what is there: replace
+        if !is_current(&plan, &existing).unwrap_or(false) {
             apply_batch_for(&plan, &existing).commit()?;
         }
         routing::apply(plan.ipv6)

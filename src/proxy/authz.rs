@@ -45,6 +45,30 @@ pub enum Denied {
     /// ALLOW policies apply and none matched.
     #[error("allow policies exist, but none allowed")]
     NotAllowed,
+    /// The destination pod is served from its handoff (its workload record has not arrived) and
+    /// its namespace has `WorkloadSelector` policies, which only the record says whether they
+    /// select it: fail closed until it arrives.
+    #[error(
+        "workload record of the destination not known yet, and namespace {0} has workload-selector policies"
+    )]
+    RecordPending(String),
+}
+
+/// [`check`] for a pod whose workload `dst` may not be in `state` yet (served from its handoff):
+/// such a pod is refused while its namespace has `WorkloadSelector` policies
+/// ([`Denied::RecordPending`]), since the missing record's `authorizationPolicies` decide whether
+/// they apply; otherwise [`check`].
+pub fn check_pod(state: &ProxyState, dst: &Workload, conn: &Connection<'_>) -> Result<(), Denied> {
+    let known = state.workload_by_uid(&dst.uid).is_some()
+        || state.workload_by_name(&dst.namespace, &dst.name).is_some();
+    if !known
+        && state
+            .policies()
+            .any(|p| p.scope == PolicyScope::WorkloadSelector && p.namespace == dst.namespace)
+    {
+        return Err(Denied::RecordPending(dst.namespace.clone()));
+    }
+    check(state, dst, conn)
 }
 
 /// Checks `conn` against the policies of `state` that apply to `dst`.

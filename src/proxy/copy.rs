@@ -225,7 +225,6 @@ impl Future for H2Relay {
 }
 
 impl H2Relay {
-    /// Bytes moved so far.
     /// Bytes moved in each direction so far.
     pub fn transferred(&self) -> Transferred {
         Transferred {

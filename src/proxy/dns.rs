@@ -24,10 +24,10 @@ pub mod message;
 pub mod metrics;
 pub mod names;
 pub mod resolv;
+pub mod shared;
 
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -41,115 +41,18 @@ use tokio::task::{JoinHandle, JoinSet};
 use crate::mesh::DNS_PORT;
 use crate::proxy::pod::PodProxy;
 use crate::proxy::socket::{PodSockets, SocketError};
-use crate::proxy::state::{ProxyState, StateHandle};
+
 use message::Request;
 use metrics::{DnsLabels, Transport};
-use names::HostIndex;
 pub use resolv::{ResolvConfError, Upstreams};
+pub use shared::{DEFAULT_CLUSTER_DOMAIN, DEFAULT_RESOLV_CONF, DnsOptions, DnsProxy};
 
-/// The resolver config read by default: the proxy's own, i.e. the node's.
-pub const DEFAULT_RESOLV_CONF: &str = "/etc/resolv.conf";
-/// Kubernetes' default cluster domain (ztunnel `CLUSTER_DOMAIN`).
-pub const DEFAULT_CLUSTER_DOMAIN: &str = "cluster.local";
 /// A TCP client connection idle this long is closed (with its upstream connection).
 const TCP_IDLE: Duration = Duration::from_secs(10);
 /// UDP requests of one listener handled at once; more wait in the socket's buffer.
 const MAX_UDP_IN_FLIGHT: usize = 256;
 /// TCP client connections of one listener at once; more are closed on accept.
 const MAX_TCP_CONNECTIONS: usize = 64;
-
-/// DNS proxy settings.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DnsOptions {
-    /// Serve 15053 in pods (default on, as ztunnel's `DNS_CAPTURE` proxy metadata).
-    pub enabled: bool,
-    /// The resolver config naming the upstream servers (default [`DEFAULT_RESOLV_CONF`]).
-    pub resolv_conf: PathBuf,
-    /// Cluster domain of the pods' search domains (default [`DEFAULT_CLUSTER_DOMAIN`]).
-    pub cluster_domain: String,
-}
-
-impl Default for DnsOptions {
-    fn default() -> DnsOptions {
-        DnsOptions {
-            enabled: true,
-            resolv_conf: DEFAULT_RESOLV_CONF.into(),
-            cluster_domain: DEFAULT_CLUSTER_DOMAIN.into(),
-        }
-    }
-}
-
-/// What every pod's DNS proxy shares: the upstreams, the cluster domain, and the mesh's host
-/// index of the current state (rebuilt when the state changes).
-#[derive(Debug)]
-pub struct DnsProxy {
-    upstreams: Upstreams,
-    cluster_domain: String,
-    index: Mutex<Option<(Arc<ProxyState>, Arc<HostIndex>)>>,
-}
-
-impl DnsProxy {
-    /// A DNS proxy forwarding to `upstreams`.
-    pub fn new(upstreams: Upstreams, cluster_domain: &str) -> DnsProxy {
-        DnsProxy {
-            upstreams,
-            cluster_domain: cluster_domain.trim_matches('.').to_ascii_lowercase(),
-            index: Mutex::new(None),
-        }
-    }
-
-    /// The DNS proxy of `opts` (its resolver config read now), or `None` when it is off. A
-    /// resolver config that cannot be read is an error, except a missing default one (then
-    /// forwarded queries get SERVFAIL).
-    pub fn from_options(opts: &DnsOptions) -> Result<Option<Arc<DnsProxy>>, ResolvConfError> {
-        if !opts.enabled {
-            return Ok(None);
-        }
-        let upstreams = match Upstreams::read(&opts.resolv_conf) {
-            Ok(u) => u,
-            // a node without the default file (not a pod's normal case) still serves mesh names
-            Err(e)
-                if e.source.kind() == std::io::ErrorKind::NotFound
-                    && opts.resolv_conf == std::path::Path::new(DEFAULT_RESOLV_CONF) =>
-            {
-                tracing::warn!(error = %e, "DNS proxy without upstreams");
-                Upstreams::new(Vec::new())
-            }
-            Err(e) => return Err(e),
-        };
-        for lo in upstreams.servers.iter().filter(|s| s.ip().is_loopback()) {
-            // queries leave from the pod's netns, whose loopback is the pod's own
-            tracing::warn!(upstream = %lo, file = %opts.resolv_conf.display(), "loopback nameserver: pods cannot reach the node's loopback, queries to it will fail");
-        }
-        if upstreams.servers.is_empty() {
-            tracing::warn!(file = %opts.resolv_conf.display(), "no nameserver: forwarded DNS queries will get SERVFAIL");
-        }
-        tracing::info!(upstreams = ?upstreams.servers, file = %opts.resolv_conf.display(), cluster_domain = %opts.cluster_domain, "in-pod DNS proxy on port {DNS_PORT}");
-        Ok(Some(Arc::new(DnsProxy::new(
-            upstreams,
-            &opts.cluster_domain,
-        ))))
-    }
-
-    /// The upstream servers.
-    pub fn upstreams(&self) -> &Upstreams {
-        &self.upstreams
-    }
-
-    /// The host index of `state`'s current snapshot.
-    fn index(&self, state: &StateHandle) -> Arc<HostIndex> {
-        let current = state.load();
-        let mut cached = self.index.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some((s, idx)) = cached.as_ref()
-            && Arc::ptr_eq(s, &current)
-        {
-            return idx.clone();
-        }
-        let idx = Arc::new(HostIndex::new(&current));
-        *cached = Some((current, idx.clone()));
-        idx
-    }
-}
 
 /// A pod's bound DNS sockets (see [`bind`]).
 #[derive(Debug)]
@@ -302,7 +205,7 @@ async fn udp_request(pod: &PodProxy, dns: &DnsProxy, raw: &[u8]) -> Option<Vec<u
             let metrics = &pod.ctx.metrics.dns;
             metrics.upstream_request(&labels);
             let start = Instant::now();
-            let res = forward::udp(&pod.sockets, &dns.upstreams, raw).await;
+            let res = forward::udp(&pod.sockets, dns.upstreams(), raw).await;
             metrics.upstream_duration(&labels, start.elapsed());
             Some(match res {
                 Ok(answer) => {
@@ -409,7 +312,7 @@ async fn tcp_connection(
     }
     if let Some(mut up) = upstream.take() {
         let _ = up.writer.shutdown().await;
-        let _ = tokio::time::timeout(dns.upstreams.timeout, &mut up.relay.0).await;
+        let _ = tokio::time::timeout(dns.upstreams().timeout, &mut up.relay.0).await;
     }
     for (_, (_, labels)) in lock(&pending).drain() {
         metrics.upstream_failure(&labels);
@@ -432,7 +335,7 @@ async fn send_upstream(
 ) -> Result<(), forward::ForwardError> {
     for _ in 0..2 {
         if upstream.as_ref().is_none_or(|u| u.relay.0.is_finished()) {
-            let stream = forward::tcp_connect(&pod.sockets, &dns.upstreams).await?;
+            let stream = forward::tcp_connect(&pod.sockets, dns.upstreams()).await?;
             let (reader, writer) = stream.into_split();
             let relay = tokio::spawn(relay_answers(
                 pod.clone(),
@@ -456,7 +359,7 @@ async fn send_upstream(
         }
     }
     Err(forward::ForwardError::NoAnswer(
-        dns.upstreams.servers.clone(),
+        dns.upstreams().servers.clone(),
     ))
 }
 

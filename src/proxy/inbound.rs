@@ -257,7 +257,7 @@ async fn stream_setup(
 /// (its `authorizationPolicies` may have changed since the pod started).
 fn authorize(pod: &PodProxy, conn: &authz::Connection<'_>) -> Result<(), authz::Denied> {
     let state = pod.ctx.state.load();
-    authz::check(&state, &pod.current_workload(&state), conn)
+    authz::check_pod(&state, &pod.current_workload(&state), conn)
 }
 
 /// Validates a CONNECT request against the pod address `local`; returns the app address.

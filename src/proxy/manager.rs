@@ -1,8 +1,8 @@
 //! The manager that starts and stops the per-pod proxy sets on agent requests (ZDS semantics), the
 //! table of running pods, and each pod's accept loop.
 //!
-//! For each added pod: find its workload in the state by namespace/name (waiting up to 5 s, as
-//! ztunnel), make sure its identity has a certificate ([`CertManager::ensure`]: with a remote CA
+//! For each added pod: find its workload in the state by namespace/name, or else serve it at once
+//! with the identity of its handoff (as ztunnel serves in-pod workloads from ZDS), make sure its identity has a certificate ([`CertManager::ensure`]: with a remote CA
 //! the Add, and so readiness, waits for it; a refusal fails the Add), open a socket thread in the
 //! pod netns, bind 15001 (outbound), 15006 (inbound
 //! plaintext), 15008 (HBONE) and, with the DNS proxy on, 15053 on localhost (UDP and TCP,
@@ -187,9 +187,9 @@ impl ProxyManager {
     /// Stops every pod proxy.
     pub fn stop_all(&self) {
         if let Ok(mut r) = self.running.lock() {
-            for (_, p) in r.drain() {
+            for (uid, p) in r.drain() {
                 p.task.abort();
-                self.ctx.local.remove(&p.ips);
+                self.ctx.local.remove(&uid, &p.ips);
                 self.ctx.certs.release(&p.identity);
             }
         }
@@ -199,7 +199,7 @@ impl ProxyManager {
         let removed = self.running.lock().ok().and_then(|mut r| r.remove(uid));
         if let Some(p) = removed {
             p.task.abort();
-            self.ctx.local.remove(&p.ips);
+            self.ctx.local.remove(uid, &p.ips);
             self.ctx.certs.release(&p.identity);
             tracing::info!(%uid, "pod proxy stopped");
         }
@@ -271,7 +271,7 @@ impl ProxyManager {
             netns: netns.id().to_string(),
         };
         if let Ok(mut r) = self.running.lock() {
-            self.ctx.local.insert(&ips, &identity);
+            self.ctx.local.insert(&uid, &ips, &identity);
             r.insert(
                 uid,
                 Running {

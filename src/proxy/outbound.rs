@@ -99,11 +99,11 @@ async fn setup(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) -> Option
             return None;
         }
     };
-    drop(state);
     let mut route = route;
     if route.hbone.is_none() {
-        route.hbone = pod.local_hbone(route.target);
+        route.hbone = pod.local_hbone(&state, route.target);
     }
+    drop(state);
     log.dst = route.target;
     let target = route.target;
     let relay = match route.hbone {

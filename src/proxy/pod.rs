@@ -9,7 +9,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, PoisonError, RwLock};
 
 use crate::mesh::PacketMark;
-use crate::proxy::dns::DnsProxy;
+use crate::proxy::dns::shared::DnsProxy;
 use crate::proxy::identity::{CertManager, Identity};
 use crate::proxy::live::LiveConnections;
 use crate::proxy::metrics::Metrics;
@@ -38,34 +38,76 @@ pub struct ProxyContext {
     pub dns: Option<Arc<DnsProxy>>,
 }
 
-/// IP → identity of the pods a proxy serves (see [`ProxyContext::local`]).
+/// IP → (pod uid, identity) of the pods a proxy serves (see [`ProxyContext::local`]). An IP two
+/// pods claim is ambiguous and gives no identity at all (never a guess).
 #[derive(Debug, Default)]
-pub struct LocalPods(RwLock<HashMap<IpAddr, Identity>>);
+pub struct LocalPods(RwLock<HashMap<IpAddr, LocalClaim>>);
+
+/// Who claims one local IP.
+#[derive(Debug, Clone)]
+enum LocalClaim {
+    /// One pod: its uid and identity.
+    One(String, Identity),
+    /// Two or more pods claimed it (their uids).
+    Ambiguous(Vec<String>),
+}
 
 impl LocalPods {
-    /// Records the pod `ips` serving `identity`.
-    pub fn insert(&self, ips: &[IpAddr], identity: &Identity) {
+    /// Records that pod `uid` serving `identity` has `ips`.
+    pub fn insert(&self, uid: &str, ips: &[IpAddr], identity: &Identity) {
         let mut m = self.0.write().unwrap_or_else(PoisonError::into_inner);
         for ip in ips {
-            m.insert(*ip, identity.clone());
+            let claim = match m.remove(ip) {
+                None => LocalClaim::One(uid.to_owned(), identity.clone()),
+                Some(LocalClaim::One(other, _)) if other == uid => {
+                    LocalClaim::One(uid.to_owned(), identity.clone())
+                }
+                Some(LocalClaim::One(other, _)) => {
+                    tracing::warn!(%ip, pods = ?[&other, uid], "two local pods claim one IP: neither is an HBONE destination by it");
+                    LocalClaim::Ambiguous(vec![other, uid.to_owned()])
+                }
+                Some(LocalClaim::Ambiguous(mut uids)) => {
+                    if !uids.iter().any(|u| u == uid) {
+                        uids.push(uid.to_owned());
+                    }
+                    LocalClaim::Ambiguous(uids)
+                }
+            };
+            m.insert(*ip, claim);
         }
     }
 
-    /// Forgets `ips` (the pod stopped).
-    pub fn remove(&self, ips: &[IpAddr]) {
+    /// Forgets pod `uid`'s claims on `ips` (the pod stopped); another pod's claim stays.
+    pub fn remove(&self, uid: &str, ips: &[IpAddr]) {
         let mut m = self.0.write().unwrap_or_else(PoisonError::into_inner);
         for ip in ips {
-            m.remove(ip);
+            match m.remove(ip) {
+                Some(LocalClaim::One(owner, id)) if owner != uid => {
+                    m.insert(*ip, LocalClaim::One(owner, id));
+                }
+                Some(LocalClaim::Ambiguous(mut uids)) => {
+                    uids.retain(|u| u != uid);
+                    // the remaining claimants stay ambiguous (their identities are not kept)
+                    if !uids.is_empty() {
+                        m.insert(*ip, LocalClaim::Ambiguous(uids));
+                    }
+                }
+                _ => {}
+            }
         }
     }
 
-    /// The identity of the local pod at `ip`.
+    /// The identity of the one local pod at `ip` (`None` for no pod, or an ambiguous IP).
     pub fn get(&self, ip: IpAddr) -> Option<Identity> {
-        self.0
+        match self
+            .0
             .read()
             .unwrap_or_else(PoisonError::into_inner)
             .get(&ip)
-            .cloned()
+        {
+            Some(LocalClaim::One(_, id)) => Some(id.clone()),
+            _ => None,
+        }
     }
 }
 
@@ -97,9 +139,16 @@ impl PodProxy {
         state.current(&self.workload)
     }
 
-    /// The HBONE leg to `target` when it is a pod this proxy serves (`None` otherwise): for a
-    /// destination the workload source does not list (yet) as HBONE.
-    pub fn local_hbone(&self, target: SocketAddr) -> Option<crate::proxy::route::Hbone> {
+    /// The HBONE leg to `target` when it is a pod this proxy serves and the workload state has no
+    /// record for its IP (`None` otherwise: the state decides whenever it knows the IP).
+    pub fn local_hbone(
+        &self,
+        state: &ProxyState,
+        target: SocketAddr,
+    ) -> Option<crate::proxy::route::Hbone> {
+        if state.workload_by_ip(target.ip()).is_some() {
+            return None;
+        }
         let identity = self.ctx.local.get(target.ip())?;
         Some(crate::proxy::route::Hbone {
             addr: SocketAddr::new(target.ip(), crate::mesh::HBONE_PORT),
@@ -107,5 +156,40 @@ impl PodProxy {
             identity,
             service_host: None,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(sa: &str) -> Identity {
+        Identity::new("cluster.local", "default", sa)
+    }
+
+    #[test]
+    fn a_local_ip_belongs_to_one_pod_and_only_its_owner_releases_it() {
+        let local = LocalPods::default();
+        let ip: IpAddr = "10.0.0.7".parse().expect("ip");
+        local.insert("a", &[ip], &id("a"));
+        assert_eq!(local.get(ip), Some(id("a")));
+        // pod b reuses the IP before a's removal: b owns it, a's late removal leaves it
+        local.remove("a", &[ip]);
+        local.insert("b", &[ip], &id("b"));
+        local.remove("a", &[ip]);
+        assert_eq!(local.get(ip), Some(id("b")));
+        // a second claim makes it ambiguous: no identity until only... none is guessed
+        local.insert("c", &[ip], &id("c"));
+        assert_eq!(local.get(ip), None, "ambiguous");
+        local.remove("b", &[ip]);
+        assert_eq!(
+            local.get(ip),
+            None,
+            "still ambiguous: c's identity is not guessed"
+        );
+        local.remove("c", &[ip]);
+        assert_eq!(local.get(ip), None);
+        local.insert("d", &[ip], &id("d"));
+        assert_eq!(local.get(ip), Some(id("d")));
     }
 }

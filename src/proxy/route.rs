@@ -244,7 +244,6 @@ fn ip_like(w: &Workload, dst: SocketAddr) -> Option<std::net::IpAddr> {
         .or(w.workload_ips.first().copied())
 }
 
-/// Picks an endpoint deterministically per client port (simple spread without randomness).
 /// The endpoint of a service a connection from `src` goes to, as ztunnel chooses it: among the
 /// endpoints the service's routing preference keeps, one uniformly at random.
 ///

@@ -357,7 +357,9 @@ async fn drive(
             job = rx.recv() => {
                 let Some(job) = job else { return Ok(()) };
                 let res = exchange(sock, &job.msg, job.netns.as_ref().map(|n| n.fd()), &mut owed).await;
-                let fatal = is_fatal(&res);
+                // a second ack owed: the proxy stopped answering, not just slow; start over
+                // (the proxy reconnects and gets the snapshot again)
+                let fatal = is_fatal(&res) || owed > 1;
                 if let Err(e) = &res {
                     tracing::warn!(what = %job.what, error = %e, "ZDS request failed");
                 }

@@ -446,3 +446,34 @@ fn a_namespace_policy_without_namespace_and_a_named_one_apply_as_in_ztunnel() {
     assert_eq!(plaintext_to(&st, "server", 83), denied_by("other/named"));
     assert_eq!(plaintext_to(&st, "neighbour", 83), Ok(()));
 }
+
+#[test]
+fn a_pod_without_its_record_is_refused_while_its_namespace_has_selector_policies() {
+    let handoff = Workload::from_handoff(
+        "pod-uid",
+        "late",
+        "default",
+        "erin",
+        vec!["10.0.0.7".parse().expect("ip")],
+    );
+    let id = alice();
+    let conn = from_alice(&id, 8080);
+    // a selector policy in its namespace: only the missing record says whether it applies
+    let st = state(
+        "- {name: selected, namespace: default, scope: WorkloadSelector, action: Allow, rules: [[[{namespaces: [{Exact: other}]}]]]}\n",
+    );
+    assert_eq!(
+        check_pod(&st, &handoff, &conn),
+        Err(Denied::RecordPending("default".into()))
+    );
+    // a known workload goes through the normal check
+    for name in ["server", "neighbour"] {
+        let w = workload(&st, name);
+        assert_eq!(check_pod(&st, &w, &conn), check(&st, &w, &conn), "{name}");
+    }
+    // no selector policy in its namespace: the namespace and global ones decide as usual
+    let st = state(
+        "- {name: ns-wide, namespace: default, scope: Namespace, action: Allow, rules: [[[{namespaces: [{Exact: default}]}]]]}\n",
+    );
+    assert_eq!(check_pod(&st, &handoff, &conn), Ok(()));
+}

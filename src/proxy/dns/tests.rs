@@ -15,6 +15,7 @@ use crate::proxy::identity::{Ca, CertManager};
 use crate::proxy::metrics::Metrics;
 use crate::proxy::pod::ProxyContext;
 use crate::proxy::pool::Pool;
+use crate::proxy::state::{ProxyState, StateHandle};
 
 const MESH: &str = "workloads:\n\
     - {uid: c1, name: client, namespace: ns1, serviceAccount: alice, workloadIps: [\"10.0.0.2\"], canonicalName: client}\n\
