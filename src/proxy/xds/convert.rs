@@ -26,7 +26,7 @@ use crate::proxy::config::{
     HealthStatus, IpFamily, LoadBalancer, LoadBalancerHealthPolicy, LoadBalancerMode,
     LoadBalancerScope, LocalPolicy, LocalService, LocalWorkload, Locality, NamespacedHostname,
     NetworkAddress, NetworkMode, PolicyAction, PolicyMatch, PolicyScope, Protocol,
-    ServiceAccountMatch, StringMatch, Visibility,
+    ServiceAccountMatch, StringMatch, Visibility, fail_closed_rules,
 };
 
 /// Why a resource could not be converted. `field` is the proto path, e.g. `workload.addresses`.
@@ -292,7 +292,7 @@ pub fn authorization(p: &sec::Authorization) -> Result<LocalPolicy, ConvertError
         sec::Action::Allow => PolicyAction::Allow,
         sec::Action::Deny => PolicyAction::Deny,
     };
-    let rules = p
+    let rules: Result<_, ConvertError> = p
         .rules
         .iter()
         .map(|r| {
@@ -301,7 +301,17 @@ pub fn authorization(p: &sec::Authorization) -> Result<LocalPolicy, ConvertError
                 .map(|c| c.matches.iter().map(policy_match).collect())
                 .collect()
         })
-        .collect::<Result<_, _>>()?;
+        .collect();
+    // Rules that do not convert (a bad CIDR, a port over 65535) leave a policy whose scope and
+    // action are known: it stands in fail-closed, as an unparsable local-config policy does (a
+    // DENY denies everything in its scope, an ALLOW allows nothing), instead of vanishing.
+    let (rules, invalid) = match rules {
+        Ok(r) => (r, None),
+        Err(e) => {
+            tracing::warn!(policy = %format!("{}/{}", p.namespace, p.name), error = %e, "authorization rules do not convert: the policy stands in fail-closed");
+            (fail_closed_rules(action), Some(e.to_string()))
+        }
+    };
     Ok(LocalPolicy {
         name: p.name.clone(),
         namespace: p.namespace.clone(),
@@ -309,7 +319,7 @@ pub fn authorization(p: &sec::Authorization) -> Result<LocalPolicy, ConvertError
         action,
         rules,
         dry_run: p.dry_run,
-        invalid: None,
+        invalid,
     })
 }
 

@@ -404,26 +404,36 @@ fn bad_authorizations_are_typed_errors() {
         }],
         ..Match::default()
     });
-    assert!(matches!(
-        authorization(&long_prefix),
-        Err(ConvertError::PrefixLength { length: 33, .. })
-    ));
+    // rules that do not convert: the policy stands in fail-closed, with the reason
+    let stand_in = |a: &sec::Authorization, reason: &str| {
+        let p = authorization(a).expect("a stand-in, not an error");
+        assert!(
+            p.invalid.as_deref().is_some_and(|m| m.contains(reason)),
+            "{:?} lacks {reason:?}",
+            p.invalid
+        );
+        assert_eq!(p.rules, fail_closed_rules(p.action));
+        p
+    };
+    stand_in(&long_prefix, "33");
     let empty_string_match = with_match(Match {
         principals: vec![sec::StringMatch { match_type: None }],
         ..Match::default()
     });
-    assert!(matches!(
-        authorization(&empty_string_match),
-        Err(ConvertError::Missing {
-            field: "match.principals"
-        })
-    ));
+    stand_in(&empty_string_match, "match.principals");
     let big_port = with_match(Match {
         destination_ports: vec![65536],
         ..Match::default()
     });
-    assert!(matches!(
-        authorization(&big_port),
-        Err(ConvertError::Port { value: 65536, .. })
-    ));
+    stand_in(&big_port, "65536");
+    // an ALLOW stand-in allows nothing, a DENY one denies everything in its scope
+    assert!(stand_in(&big_port, "65536").rules.is_empty());
+    let deny = sec::Authorization {
+        action: sec::Action::Deny as i32,
+        ..big_port
+    };
+    assert_eq!(
+        stand_in(&deny, "65536").rules,
+        vec![Vec::<Vec<PolicyMatch>>::new()]
+    );
 }
