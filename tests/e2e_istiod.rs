@@ -362,7 +362,7 @@ fn ztunnel_proxy_ztunnel_with_the_charts_env_serves_pods_from_istiod() {
     let prefix = common::prefix("xz");
     let dir = std::env::temp_dir().join(format!("ztnode-e2e-ztunnel-{prefix}"));
     let _ = std::fs::remove_dir_all(&dir);
-    let _dir = RemoveOnDrop(dir.clone());
+    let _dir = common::RemoveOnDrop(dir.clone());
     let run_dir = dir.join("run");
     let lab = Lab::new(LabOptions {
         prefix: prefix.clone(),
@@ -503,15 +503,6 @@ fn ztunnel_proxy_ztunnel_with_the_charts_env_serves_pods_from_istiod() {
         .expect("CSR");
     assert_eq!(csr["clusterid"], "Kubernetes", "{csr}");
     assert_eq!(csr["result"], "OK", "{csr}");
-}
-
-/// Removes a directory when dropped (declared first, so it goes after the processes and the lab).
-struct RemoveOnDrop(std::path::PathBuf);
-
-impl Drop for RemoveOnDrop {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 /// Short-lived certificates signed by an intermediate: leaves rotate at half life while

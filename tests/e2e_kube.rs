@@ -374,21 +374,18 @@ fn kubelet_probes_reach_enrolled_pods_past_an_identity_policy() {
     let listener = ztnode::lab::Lab::listen_in(&node.netns("server"), server).expect("listen");
     listener.set_nonblocking(true).expect("nonblocking");
     // (refused with a reset: at connect or at the first read, depending on timing)
-    match ztnode::lab::Lab::connect_from(&node.netns("outsider"), server) {
-        Ok(mut plain) => {
-            let _ = plain.write_all(b"x");
-            plain
-                .set_read_timeout(Some(Duration::from_secs(3)))
-                .expect("timeout");
-            let mut buf = [0u8; 8];
-            assert!(
-                matches!(plain.read(&mut buf), Ok(0) | Err(_)),
-                "plain connection not closed"
-            );
-        }
-        Err(ztnode::lab::LabError::Io { source, .. })
-            if source.kind() == std::io::ErrorKind::ConnectionReset => {}
-        Err(e) => panic!("connect: {e}"),
+    if let Some(mut plain) =
+        common::connect_unless_reset(&node.netns("outsider"), server, "connect")
+    {
+        let _ = plain.write_all(b"x");
+        plain
+            .set_read_timeout(Some(Duration::from_secs(3)))
+            .expect("timeout");
+        let mut buf = [0u8; 8];
+        assert!(
+            matches!(plain.read(&mut buf), Ok(0) | Err(_)),
+            "plain connection not closed"
+        );
     }
     assert!(
         listener.accept().is_err(),

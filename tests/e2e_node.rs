@@ -325,14 +325,8 @@ fn destination_without_listener_looks_refused_to_the_client() {
 /// A connection to `to` from `ns` is reset: at connect (when the proxy resets before connect
 /// returns) or at the first read; never a clean end of stream.
 fn assert_reset(ns: &Netns, to: SocketAddr, path: &str) {
-    let mut c = match Lab::connect_from(ns, to) {
-        Ok(c) => c,
-        Err(ztnode::lab::LabError::Io { source, .. })
-            if source.kind() == std::io::ErrorKind::ConnectionReset =>
-        {
-            return;
-        }
-        Err(e) => panic!("{path}: connect: {e}"),
+    let Some(mut c) = common::connect_unless_reset(ns, to, path) else {
+        return;
     };
     c.set_read_timeout(Some(Duration::from_secs(15)))
         .expect("timeout");
@@ -394,18 +388,13 @@ fn authorization_policies_reject_inbound_connections() {
     ] {
         // refused with a reset: at connect (the proxy may reset before connect returns) or at
         // the first read; never data
-        match Lab::connect_from(ns, denied) {
-            Ok(mut c) => {
-                c.set_read_timeout(Some(Duration::from_secs(10)))
-                    .expect("timeout");
-                let _ = c.write_all(b"denied");
-                let mut back = Vec::new();
-                let _ = c.read_to_end(&mut back);
-                assert!(back.is_empty(), "denied connection got data: {back:?}");
-            }
-            Err(ztnode::lab::LabError::Io { source, .. })
-                if source.kind() == std::io::ErrorKind::ConnectionReset => {}
-            Err(e) => panic!("connect to the capture: {e}"),
+        if let Some(mut c) = common::connect_unless_reset(ns, denied, "connect to the capture") {
+            c.set_read_timeout(Some(Duration::from_secs(10)))
+                .expect("timeout");
+            let _ = c.write_all(b"denied");
+            let mut back = Vec::new();
+            let _ = c.read_to_end(&mut back);
+            assert!(back.is_empty(), "denied connection got data: {back:?}");
         }
         node.wait_log(
             &[
@@ -456,18 +445,13 @@ fn service_traffic_goes_through_its_waypoint_never_around_it() {
 
     let vip: SocketAddr = "10.249.0.200:80".parse().expect("vip");
     // refused with a reset: at connect (the proxy may reset before connect returns) or later
-    match Lab::connect_from(&client_ns, vip) {
-        Ok(mut c) => {
-            c.set_read_timeout(Some(Duration::from_secs(10)))
-                .expect("timeout");
-            let _ = c.write_all(b"to the service");
-            let mut back = Vec::new();
-            let _ = c.read_to_end(&mut back);
-            assert!(back.is_empty(), "got data: {back:?}");
-        }
-        Err(ztnode::lab::LabError::Io { source, .. })
-            if source.kind() == std::io::ErrorKind::ConnectionReset => {}
-        Err(e) => panic!("connect to the VIP: {e}"),
+    if let Some(mut c) = common::connect_unless_reset(&client_ns, vip, "connect to the VIP") {
+        c.set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("timeout");
+        let _ = c.write_all(b"to the service");
+        let mut back = Vec::new();
+        let _ = c.read_to_end(&mut back);
+        assert!(back.is_empty(), "got data: {back:?}");
     }
     // the CONNECT went to the waypoint (the server's 15008) for the VIP, which refused it
     node.wait_log(

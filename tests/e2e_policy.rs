@@ -205,14 +205,8 @@ fn a_deny_closes_open_connections_it_denies_within_a_second_and_no_other() {
 /// Connects from `from` to `to`, sends a line and reads to the end: what came back.
 fn exchange(from: &Netns, to: SocketAddr) -> Vec<u8> {
     // a refusal may reset the connection before connect returns
-    let mut c = match Lab::connect_from(from, to) {
-        Ok(c) => c,
-        Err(ztnode::lab::LabError::Io { source, .. })
-            if source.kind() == std::io::ErrorKind::ConnectionReset =>
-        {
-            return Vec::new();
-        }
-        Err(e) => panic!("connect to the capture: {e}"),
+    let Some(mut c) = common::connect_unless_reset(from, to, "connect to the capture") else {
+        return Vec::new();
     };
     c.set_read_timeout(Some(Duration::from_secs(10)))
         .expect("timeout");

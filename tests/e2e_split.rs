@@ -139,15 +139,6 @@ impl Proxy {
     }
 }
 
-/// Removes the run dir when dropped.
-struct RunDir(PathBuf);
-
-impl Drop for RunDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// `GET /healthz/ready` on the proxy's readiness port (15021) from inside the node netns: the status
 /// line and the body.
 fn readiness(lab: &Lab) -> (String, String) {
@@ -160,6 +151,30 @@ fn readiness(lab: &Lab) -> (String, String) {
     let status = resp.lines().next().unwrap_or_default().to_owned();
     let body = resp.split("\r\n\r\n").nth(1).unwrap_or_default().to_owned();
     (status, body)
+}
+
+/// Starts `ztnode agent` (local config `config`, serving ZDS on `zds`) in the node netns and
+/// waits for its plugin socket; returns the process and its log.
+fn start_agent(lab: &Lab, config: &Path, run_dir: &Path, zds: &Path) -> (ProcessGuard, PathBuf) {
+    let log = lab.dir().join("agent.log");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ztnode"));
+    cmd.arg("agent")
+        .arg("--config")
+        .arg(config)
+        .arg("--run-dir")
+        .arg(run_dir)
+        .arg("--no-install")
+        .env("ZTUNNEL_UDS_ADDRESS", zds)
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).expect("agent log"));
+    let agent = ProcessGuard(lab.spawn_in_node(cmd).expect("spawn ztnode agent"));
+    wait_log(
+        &log,
+        &["plugin event socket ready"],
+        Duration::from_secs(15),
+    );
+    (agent, log)
 }
 
 /// Starts `ztnode proxy` in the node netns and waits until it has received the agent's snapshot.
@@ -227,7 +242,7 @@ fn agent_and_proxy_as_separate_processes_over_zds() {
     let prefix = common::prefix("e2s");
     let run_dir = std::env::temp_dir().join(format!("ztnode-e2e-run-{prefix}"));
     let _ = std::fs::remove_dir_all(&run_dir);
-    let _run_dir = RunDir(run_dir.clone());
+    let _run_dir = common::RemoveOnDrop(run_dir.clone());
     let lab = Lab::new(LabOptions {
         prefix: prefix.clone(),
         ztnode_binary: Some(env!("CARGO_BIN_EXE_ztnode").into()),
@@ -253,24 +268,7 @@ fn agent_and_proxy_as_separate_processes_over_zds() {
     .expect("write config");
     let zds = run_dir.join("ztunnel.sock");
 
-    let agent_log = lab.dir().join("agent.log");
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ztnode"));
-    cmd.arg("agent")
-        .arg("--config")
-        .arg(&config)
-        .arg("--run-dir")
-        .arg(&run_dir)
-        .arg("--no-install")
-        .env("ZTUNNEL_UDS_ADDRESS", &zds)
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&agent_log).expect("agent log"));
-    let _agent = ProcessGuard(lab.spawn_in_node(cmd).expect("spawn ztnode agent"));
-    wait_log(
-        &agent_log,
-        &["plugin event socket ready"],
-        Duration::from_secs(15),
-    );
+    let (_agent, agent_log) = start_agent(&lab, &config, &run_dir, &zds);
     assert!(zds.exists(), "ZDS socket at {}", zds.display());
 
     // no proxy yet: the server's ADD fails closed (rules in, no proxy), the agent keeps the pod
@@ -349,7 +347,7 @@ fn a_late_workload_record_holds_up_no_add() {
     let prefix = common::prefix("e2l");
     let run_dir = std::env::temp_dir().join(format!("ztnode-e2e-run-{prefix}"));
     let _ = std::fs::remove_dir_all(&run_dir);
-    let _run_dir = RunDir(run_dir.clone());
+    let _run_dir = common::RemoveOnDrop(run_dir.clone());
     let lab = Lab::new(LabOptions {
         prefix: prefix.clone(),
         ztnode_binary: Some(env!("CARGO_BIN_EXE_ztnode").into()),
@@ -370,24 +368,7 @@ fn a_late_workload_record_holds_up_no_add() {
     let proxy_config = lab.dir().join("proxy-config.yaml");
     std::fs::write(&proxy_config, lab::local_config(&prefix, &both[..1])).expect("write");
     let zds = run_dir.join("ztunnel.sock");
-    let agent_log = lab.dir().join("agent.log");
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ztnode"));
-    cmd.arg("agent")
-        .arg("--config")
-        .arg(&agent_config)
-        .arg("--run-dir")
-        .arg(&run_dir)
-        .arg("--no-install")
-        .env("ZTUNNEL_UDS_ADDRESS", &zds)
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&agent_log).expect("agent log"));
-    let _agent = ProcessGuard(lab.spawn_in_node(cmd).expect("spawn ztnode agent"));
-    wait_log(
-        &agent_log,
-        &["plugin event socket ready"],
-        Duration::from_secs(15),
-    );
+    let (_agent, _agent_log) = start_agent(&lab, &agent_config, &run_dir, &zds);
     let proxy = start_proxy(
         &lab,
         &proxy_config,

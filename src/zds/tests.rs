@@ -477,16 +477,7 @@ async fn unsolicited_message_from_the_proxy_closes_the_connection() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = sock_path(&dir);
     let agent = Agent::start(&path);
-    let sock = packet::connect(&path).expect("connect");
-    sock.send(&proto::ZdsHello { version: 1 }, None)
-        .await
-        .expect("hello");
-    let pkt = sock.recv().await.expect("snapshot sent").expect("open");
-    assert_eq!(pkt.data, [0x1a, 0x00]);
-    sock.send(&proto::WorkloadResponse::ack(""), None)
-        .await
-        .expect("ack");
-    agent.wait_connections(1).await;
+    let sock = raw_proxy(&path, &agent).await;
     sock.send(&proto::WorkloadResponse::ack(""), None)
         .await
         .expect("extra ack");
@@ -498,15 +489,10 @@ async fn unsolicited_message_from_the_proxy_closes_the_connection() {
     agent.shutdown().await;
 }
 
-/// An ack that arrives after the agent's deadline (while idle, or while the next request waits)
-/// is the late answer of the timed-out request: discarded, not a protocol error, and the next
-/// request gets its own ack.
-#[tokio::test]
-async fn a_late_ack_is_discarded_and_the_connection_kept() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let path = sock_path(&dir);
-    let agent = Agent::start(&path);
-    let sock = packet::connect(&path).expect("connect");
+/// A raw proxy connected to `agent` at `path`: hello sent, the (empty) snapshot's SnapshotSent
+/// acked, the connection registered.
+async fn raw_proxy(path: &Path, agent: &Agent) -> SeqPacket {
+    let sock = packet::connect(path).expect("connect");
     sock.send(&proto::ZdsHello { version: 1 }, None)
         .await
         .expect("hello");
@@ -516,6 +502,18 @@ async fn a_late_ack_is_discarded_and_the_connection_kept() {
         .await
         .expect("ack");
     agent.wait_connections(1).await;
+    sock
+}
+
+/// An ack that arrives after the agent's deadline (while idle, or while the next request waits)
+/// is the late answer of the timed-out request: discarded, not a protocol error, and the next
+/// request gets its own ack.
+#[tokio::test]
+async fn a_late_ack_is_discarded_and_the_connection_kept() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = sock_path(&dir);
+    let agent = Agent::start(&path);
+    let sock = raw_proxy(&path, &agent).await;
 
     // "a" is not acked within the deadline
     let server = agent.server.clone();

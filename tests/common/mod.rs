@@ -23,3 +23,32 @@ pub fn prefix(tag: &str) -> String {
 pub mod istiod;
 pub mod kube;
 pub mod node;
+
+/// Connects from inside `ns` to `to`; `None` when the connection is reset before connect returns
+/// (a proxy refusing it fast, with a RST, may do so before the client's connect completes).
+/// Panics naming `what` on any other failure.
+pub fn connect_unless_reset(
+    ns: &ztnode::netns::Netns,
+    to: std::net::SocketAddr,
+    what: &str,
+) -> Option<std::net::TcpStream> {
+    match ztnode::lab::Lab::connect_from(ns, to) {
+        Ok(c) => Some(c),
+        Err(ztnode::lab::LabError::Io { source, .. })
+            if source.kind() == std::io::ErrorKind::ConnectionReset =>
+        {
+            None
+        }
+        Err(e) => panic!("{what}: connect to {to}: {e}"),
+    }
+}
+
+/// Removes a directory (and what is in it) when dropped; declare it before the lab and the
+/// processes that use the directory, so it goes after them.
+pub struct RemoveOnDrop(pub std::path::PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
