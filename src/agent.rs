@@ -9,6 +9,7 @@
 pub mod enroll;
 pub mod install;
 pub mod kube;
+pub mod metrics;
 pub mod netns_finder;
 pub mod pods;
 pub mod proxy_link;

@@ -9,6 +9,7 @@
 pub mod agent;
 pub mod backoff;
 pub mod lab;
+pub mod metrics;
 pub mod mesh;
 pub mod netns;
 pub mod nft;

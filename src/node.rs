@@ -18,11 +18,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 
 use crate::agent::enroll::EnrollmentPolicy;
 use crate::agent::pods::PodManager;
 use crate::agent::{self, AgentConfig, EnrollmentSource, KubeMode};
+use crate::metrics::Exposition;
 use crate::proxy::manager::ProxyManager;
 use crate::proxy::state::{self, Protocol, StateHandle};
 use crate::proxy::xds::{self, XdsConfig};
@@ -84,7 +86,8 @@ pub async fn run(
     );
     let ready = Readiness::new();
     let (stop_tx, stop_rx) = watch::channel(false);
-    let state = start_state(cfg.source, &ready, &stop_rx)?;
+    let mut registry = Registry::default();
+    let state = start_state(cfg.source, &ready, &stop_rx, &mut registry)?;
     let proxy = proxy::start(&cfg.proxy, state.clone(), &ready)?;
     let agent = agent::start(
         cfg.agent,
@@ -100,6 +103,7 @@ pub async fn run(
         proxy.manager.clone(),
         Some(agent.pods.clone()),
         ready,
+        registry,
         stop_rx,
     )
     .await?;
@@ -126,7 +130,8 @@ pub async fn run_agent(
     let ready = Readiness::new();
     let (stop_tx, stop_rx) = watch::channel(false);
     let source = config.map_or(WorkloadSource::Empty, WorkloadSource::LocalConfig);
-    let state = start_state(source, &ready, &stop_rx)?;
+    // the agent alone serves no metrics (its process has no stats listener)
+    let state = start_state(source, &ready, &stop_rx, &mut Registry::default())?;
     let zds_server = ZdsServer::new();
     let listener = zds::server::bind(&zds_socket)?;
     let zds_task = tokio::spawn(zds_server.clone().serve(listener, stopped(stop_rx.clone())));
@@ -161,10 +166,20 @@ pub async fn run_proxy(
     tracing::info!(?cfg, ?source, zds_socket = %zds_socket.display(), "starting ztnode proxy");
     let ready = Readiness::new();
     let (stop_tx, stop_rx) = watch::channel(false);
-    let state = start_state(source, &ready, &stop_rx)?;
+    let mut registry = Registry::default();
+    let state = start_state(source, &ready, &stop_rx, &mut registry)?;
     let proxy = proxy::start(&cfg, state.clone(), &ready)?;
     let connection = ready.register(ZDS_CONNECTION_TASK);
-    serve_admin(&cfg, state, proxy.manager.clone(), None, ready, stop_rx).await?;
+    serve_admin(
+        &cfg,
+        state,
+        proxy.manager.clone(),
+        None,
+        ready,
+        registry,
+        stop_rx,
+    )
+    .await?;
     let res = tokio::select! {
         _ = shutdown => Ok(()),
         r = zds::client::run(zds_socket, proxy.link, std::future::pending(), move |up| connection.set_ready(up)) => {
@@ -211,17 +226,21 @@ fn workload_policy(state: StateHandle, node_name: Option<String>) -> Arc<dyn Enr
 }
 
 /// The workload state of `source`, kept fresh until `stop`: the local config re-read when it
-/// changes, or the xDS client (whose readiness tasks wait for the first response of each type).
+/// changes, or the xDS client (whose readiness tasks wait for the first response of each type,
+/// and whose metrics go into `registry`).
 fn start_state(
     source: WorkloadSource,
     ready: &Readiness,
     stop: &watch::Receiver<bool>,
+    registry: &mut Registry,
 ) -> anyhow::Result<StateHandle> {
     match source {
         WorkloadSource::LocalConfig(path) => load_state(&path, ready),
         WorkloadSource::Empty => Ok(StateHandle::new(state::ProxyState::default())),
         WorkloadSource::Xds(cfg) => {
             let state = StateHandle::new(state::ProxyState::default());
+            cfg.metrics
+                .register(registry.sub_registry_with_prefix("istio"));
             tracing::info!(address = %cfg.endpoint.address, node = %cfg.node.id, "workloads from istiod (delta xDS)");
             tokio::spawn(xds::run(*cfg, state.clone(), ready, stopped(stop.clone())));
             Ok(state)
@@ -248,13 +267,20 @@ async fn serve_admin(
     proxies: Arc<ProxyManager>,
     pods: Option<Arc<PodManager>>,
     ready: Readiness,
+    mut registry: Registry,
     stop: watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
+    proxies.ctx().metrics.register(&mut registry);
+    if let Some(p) = &pods {
+        p.metrics.register(&mut registry);
+    }
+    crate::metrics::register_build(&mut registry, env!("CARGO_PKG_VERSION"));
     let admin = admin::Admin {
         state,
         proxies,
         pods,
         ready,
+        metrics: Arc::new(Exposition::new(registry)),
     };
     admin::spawn(
         admin,

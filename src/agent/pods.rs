@@ -26,6 +26,7 @@ use tokio::sync::mpsc;
 
 use serde::Serialize;
 
+use crate::agent::metrics::AgentMetrics;
 use crate::agent::enroll::{Enrollment, EnrollmentPolicy, PodOptions, PolicyError};
 use crate::agent::proxy_link::WorkloadSink;
 use crate::agent::redirect::host::HostProbe;
@@ -161,6 +162,8 @@ pub struct PodManager {
     store: OnceLock<Arc<Store>>,
     changes: OnceLock<mpsc::UnboundedSender<(String, String)>>,
     host_probe: OnceLock<Arc<HostProbe>>,
+    /// The agent's metrics (plugin requests, reconcile events, pods enrolled and pending).
+    pub metrics: AgentMetrics,
 }
 
 /// A pod to enroll, found by the plugin's event or, in Kubernetes mode, by the reconciler.
@@ -211,6 +214,7 @@ impl PodManager {
             store: OnceLock::new(),
             changes: OnceLock::new(),
             host_probe: OnceLock::new(),
+            metrics: AgentMetrics::default(),
         }
     }
 
@@ -334,6 +338,12 @@ impl PodManager {
         let mut table = self.table();
         let r = f(&mut table.pods);
         table.generation += 1;
+        let pending = table.pods.values().filter(|p| p.pending).count();
+        let count = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+        self.metrics.pending.set(count(pending));
+        self.metrics
+            .enrolled
+            .set(count(table.pods.len() - pending));
         let snapshot = self.store.get().map(|_| {
             let mut records: Vec<PodRecord> =
                 table.pods.values().map(EnrolledPod::record).collect();

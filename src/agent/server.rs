@@ -113,6 +113,17 @@ async fn handle(
     pods: Arc<PodManager>,
     req: Request<Incoming>,
 ) -> Result<Response<Full<Bytes>>, Infallible> {
+    let resp = answer(&pods, req).await;
+    if let Ok(r) = &resp {
+        pods.metrics.plugin_request(r.status());
+    }
+    resp
+}
+
+async fn answer(
+    pods: &PodManager,
+    req: Request<Incoming>,
+) -> Result<Response<Full<Bytes>>, Infallible> {
     let (parts, body) = req.into_parts();
     if parts.method != Method::POST {
         return reply(StatusCode::METHOD_NOT_ALLOWED, "POST only\n");

@@ -4,7 +4,9 @@
 //!   workloadState, enrolledPods, version}`;
 //! - readiness `:15021`: `GET /healthz/ready` → `200 ready\n` once no start-up task is pending
 //!   ([`crate::ready`]), else `500 not ready, pending: ["task", ...]\n`;
-//! - stats `:15020`: `GET /metrics` (and `/stats/prometheus`) → Prometheus text.
+//! - stats `:15020`: `GET /metrics` (and `/stats/prometheus`) → the OpenMetrics text of the
+//!   process's registry ([`crate::metrics::Exposition`]: OpenMetrics content type when asked,
+//!   gzip when accepted).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -19,6 +21,7 @@ use serde_json::json;
 use tokio::net::TcpListener;
 
 use crate::agent::pods::PodManager;
+use crate::metrics::Exposition;
 use crate::proxy::manager::ProxyManager;
 use crate::proxy::state::StateHandle;
 use crate::ready::Readiness;
@@ -34,6 +37,8 @@ pub struct Admin {
     pub pods: Option<Arc<PodManager>>,
     /// Start-up tasks `/healthz/ready` waits for.
     pub ready: Readiness,
+    /// Every metric of the process, served on `/metrics`.
+    pub metrics: Arc<Exposition>,
 }
 
 #[derive(Clone, Copy)]
@@ -117,8 +122,28 @@ fn handle<B>(
             }
         }
         (Kind::Stats, "/metrics" | "/stats/prometheus") => {
-            let body = admin.proxies.ctx().metrics.render();
-            text(StatusCode::OK, body, "text/plain; version=0.0.4")
+            let values = |name| {
+                req.headers()
+                    .get_all(name)
+                    .iter()
+                    .filter_map(|v| v.to_str().ok())
+                    .collect::<Vec<_>>()
+            };
+            let answer = admin.metrics.answer(
+                values(http::header::ACCEPT),
+                values(http::header::ACCEPT_ENCODING),
+            );
+            let gzip = answer.gzip;
+            let mut resp = text(StatusCode::OK, answer.body, answer.content_type);
+            if let Ok(r) = &mut resp
+                && gzip
+            {
+                r.headers_mut().insert(
+                    http::header::CONTENT_ENCODING,
+                    http::HeaderValue::from_static("gzip"),
+                );
+            }
+            resp
         }
         _ => text(StatusCode::NOT_FOUND, "not found\n", "text/plain"),
     }
@@ -201,6 +226,7 @@ mod tests {
                 RedirectPlan::default(),
             ))),
             ready,
+            metrics: Arc::new(Exposition::new(prometheus_client::registry::Registry::default())),
         }
     }
 

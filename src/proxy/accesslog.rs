@@ -1,8 +1,15 @@
-//! Per-connection access log (tracing target `access`), which also feeds the connection counters
+//! Per-connection access log (tracing target `access`), which also feeds the connection metrics
 //! ([`Metrics`]).
 //!
-//! Fields follow ztunnel (`../shared/spec/ztunnel.md` §7): `src.addr`, `src.identity`, `dst.addr`,
-//! `dst.hbone_addr`, `dst.identity`, `direction`, `bytes_sent`, `bytes_recv`, `duration` (`"<n>ms"`).
+//! Fields follow ztunnel (`src/proxy/metrics.rs`; `../shared/spec/ztunnel.md` §7), in its order:
+//! `src.addr`, `src.workload` (the pod's name, else its canonical service), `src.namespace`,
+//! `src.identity` (mTLS only), `src.cluster`, `dst.addr` (the address connected to: the HBONE
+//! address `pod:15008` when tunnelled, else the target), `dst.hbone_addr` (the CONNECT target),
+//! `dst.service`, `dst.workload`, `dst.namespace`, `dst.identity` (mTLS only), `dst.cluster`,
+//! `direction` (`outbound`/`inbound`), `bytes_sent`, `bytes_recv`, `duration` (`"<n>ms"`) and
+//! `error`. A field whose value is unknown is left out. "connection opened" is logged at debug,
+//! "connection complete" at info (error with `error`), a connection that never carried data
+//! "connection failed" at warn.
 //!
 //! The access log keeps ztunnel's unflipped view from the proxy: `bytes_sent` is what the proxy
 //! forwarded towards its remote side (the server when outbound, the client when inbound) and
@@ -11,56 +18,134 @@
 use std::net::SocketAddr;
 use std::time::Instant;
 
-use crate::proxy::identity::Identity;
-use crate::proxy::metrics::{ByteCounts, Direction, Metrics};
+use prometheus_client::metrics::gauge::Gauge;
 
-/// One connection being logged; call [`ConnectionLog::finish`] or [`ConnectionLog::failed`] once.
+use crate::proxy::identity::Identity;
+use crate::proxy::metrics::labels::{ResponseFlags, SecurityPolicy, TrafficLabels};
+use crate::proxy::metrics::{ByteCounts, Direction, Metrics};
+use crate::proxy::state::Workload;
+
+/// One access-log event at `level` with the [`Fields`] `f`, then `rest` (more fields, message).
+macro_rules! access_event {
+    ($level:expr, $f:ident, $($rest:tt)*) => {
+        tracing::event!(
+            target: "access",
+            $level,
+            "src.addr" = %$f.src_addr,
+            "src.workload" = $f.src_workload.as_deref(),
+            "src.namespace" = $f.src_namespace.as_deref(),
+            "src.identity" = $f.src_identity.as_deref(),
+            "src.cluster" = $f.src_cluster.as_deref(),
+            "dst.addr" = %$f.dst_addr,
+            "dst.hbone_addr" = $f.dst_hbone_addr.map(tracing::field::display),
+            "dst.service" = $f.dst_service.as_deref(),
+            "dst.workload" = $f.dst_workload.as_deref(),
+            "dst.namespace" = $f.dst_namespace.as_deref(),
+            "dst.identity" = $f.dst_identity.as_deref(),
+            "dst.cluster" = $f.dst_cluster.as_deref(),
+            direction = $f.direction,
+            $($rest)*
+        )
+    };
+}
+
+/// One connection being logged; [`ConnectionLog::finish`] or [`ConnectionLog::failed`] ends it.
+///
+/// One pointer wide: a relaying task keeps it for the connection's life (see
+/// [`crate::proxy::task`]).
 #[derive(Debug)]
-pub struct ConnectionLog {
-    /// Direction.
-    pub direction: Direction,
-    /// Client address.
-    pub src: SocketAddr,
-    /// Client identity (mTLS peers only).
-    pub src_identity: Option<Identity>,
-    /// Final destination.
-    pub dst: SocketAddr,
-    /// HBONE address used, if tunnelled.
-    pub hbone_addr: Option<SocketAddr>,
-    /// Destination identity, if known.
-    pub dst_identity: Option<Identity>,
+pub struct ConnectionLog(Box<Record>);
+
+#[derive(Debug)]
+struct Record {
+    labels: TrafficLabels,
+    src: SocketAddr,
+    src_workload: Option<String>,
+    dst: SocketAddr,
+    hbone_addr: Option<SocketAddr>,
+    dst_workload: Option<String>,
     start: Instant,
+    /// The `istio_tcp_sockets_open` series, once counted as opened.
+    socket: Option<Gauge>,
+}
+
+/// What the access log names a workload: its pod name, else its canonical service.
+fn workload_name(w: Option<&Workload>, labels_service: Option<&str>) -> Option<String> {
+    w.map(|w| w.name.clone())
+        .filter(|n| !n.is_empty())
+        .or(labels_service.map(str::to_owned))
 }
 
 impl ConnectionLog {
-    /// Starts a record and counts the connection as opened.
-    pub fn open(
-        metrics: &Metrics,
-        direction: Direction,
-        src: SocketAddr,
-        dst: SocketAddr,
-    ) -> ConnectionLog {
-        metrics.connection_opened(direction);
-        ConnectionLog {
-            direction,
+    /// Starts a record of a connection from `src` to `dst` (not counted yet: see
+    /// [`ConnectionLog::opened`]).
+    pub fn new(direction: Direction, src: SocketAddr, dst: SocketAddr) -> ConnectionLog {
+        ConnectionLog(Box::new(Record {
+            labels: TrafficLabels::new(direction, false),
             src,
-            src_identity: None,
+            src_workload: None,
             dst,
             hbone_addr: None,
-            dst_identity: None,
+            dst_workload: None,
             start: Instant::now(),
+            socket: None,
+        }))
+    }
+
+    /// Sets the labels, and the source and destination workloads the log names.
+    pub fn describe(
+        &mut self,
+        labels: TrafficLabels,
+        src: Option<&Workload>,
+        dst: Option<&Workload>,
+    ) {
+        let r = &mut *self.0;
+        r.src_workload = workload_name(src, labels.source_canonical_service.get());
+        r.dst_workload = workload_name(dst, labels.destination_canonical_service.get());
+        r.labels = labels;
+    }
+
+    /// The labels so far.
+    pub fn labels(&self) -> &TrafficLabels {
+        &self.0.labels
+    }
+
+    /// Sets the address connected to (`dst.addr`).
+    pub fn set_dst(&mut self, dst: SocketAddr) {
+        self.0.dst = dst;
+    }
+
+    /// Sets the HBONE CONNECT target (`dst.hbone_addr`).
+    pub fn set_hbone_target(&mut self, target: SocketAddr) {
+        self.0.hbone_addr = Some(target);
+    }
+
+    /// Counts the connection as opened (once) and logs "connection opened" (debug).
+    pub fn opened(&mut self, metrics: &Metrics) {
+        if self.0.socket.is_some() {
+            return;
+        }
+        self.0.socket = Some(metrics.connection_opened(&self.0.labels));
+        if tracing::enabled!(target: "access", tracing::Level::DEBUG) {
+            let f = Fields::of(&self.0);
+            access_event!(tracing::Level::DEBUG, f, "connection opened");
         }
     }
 
-    /// Logs "connection complete" (info) or, with `error`, the same at error level, and counts it
-    /// (byte counters flipped, log fields unflipped; see the module docs).
+    /// Logs "connection complete" (info) or, with `error`, the same at error level with
+    /// `response_flags` `CONNECT`, and counts it (byte counters flipped, log fields unflipped;
+    /// see the module docs).
     pub fn finish(
-        self,
+        mut self,
         metrics: &Metrics,
         bytes: ByteCounts,
         error: Option<&dyn std::fmt::Display>,
     ) {
-        metrics.connection_closed(self.direction, bytes);
+        self.opened(metrics);
+        if error.is_some() {
+            self.0.labels.response_flags = ResponseFlags::Connect;
+        }
+        metrics.connection_closed(&self.0.labels, bytes);
         let enabled = match error {
             None => tracing::enabled!(target: "access", tracing::Level::INFO),
             Some(_) => tracing::enabled!(target: "access", tracing::Level::ERROR),
@@ -69,33 +154,21 @@ impl ConnectionLog {
             // Nothing to format (the counters above are all a disabled log needs).
             return;
         }
-        let (bytes_sent, bytes_recv) = proxy_view(bytes, self.direction);
-        let duration = format!("{}ms", self.start.elapsed().as_millis());
-        let src_id = self.src_identity.as_ref().map(ToString::to_string);
-        let dst_id = self.dst_identity.as_ref().map(ToString::to_string);
-        let hbone = self.hbone_addr.map(|a| a.to_string());
+        let (bytes_sent, bytes_recv) = proxy_view(bytes, self.0.labels.reporter);
+        let duration = format!("{}ms", self.0.start.elapsed().as_millis());
+        let f = Fields::of(&self.0);
         match error {
-            None => tracing::info!(
-                target: "access",
-                direction = self.direction.as_str(),
-                "src.addr" = %self.src,
-                "src.identity" = src_id.as_deref(),
-                "dst.addr" = %self.dst,
-                "dst.hbone_addr" = hbone.as_deref(),
-                "dst.identity" = dst_id.as_deref(),
+            None => access_event!(
+                tracing::Level::INFO,
+                f,
                 bytes_sent,
                 bytes_recv,
                 duration = %duration,
                 "connection complete"
             ),
-            Some(e) => tracing::error!(
-                target: "access",
-                direction = self.direction.as_str(),
-                "src.addr" = %self.src,
-                "src.identity" = src_id.as_deref(),
-                "dst.addr" = %self.dst,
-                "dst.hbone_addr" = hbone.as_deref(),
-                "dst.identity" = dst_id.as_deref(),
+            Some(e) => access_event!(
+                tracing::Level::ERROR,
+                f,
                 bytes_sent,
                 bytes_recv,
                 duration = %duration,
@@ -105,26 +178,73 @@ impl ConnectionLog {
         }
     }
 
-    /// Logs "connection failed" (warn) for a connection that never carried data, and counts it.
-    pub fn failed(self, metrics: &Metrics, error: &dyn std::fmt::Display) {
-        metrics.connection_failed(self.direction);
+    /// Logs "connection failed" (warn) for a connection that never carried data, and counts it
+    /// (opened, closed and failed, with `flags`).
+    pub fn failed(mut self, metrics: &Metrics, flags: ResponseFlags, error: &dyn std::fmt::Display) {
+        self.opened(metrics);
+        self.0.labels.response_flags = match flags {
+            ResponseFlags::None => ResponseFlags::Connect,
+            f => f,
+        };
+        metrics.connection_closed(&self.0.labels, ByteCounts::default());
         if !tracing::enabled!(target: "access", tracing::Level::WARN) {
             return;
         }
-        let src_id = self.src_identity.as_ref().map(ToString::to_string);
-        let dst_id = self.dst_identity.as_ref().map(ToString::to_string);
-        tracing::warn!(
-            target: "access",
-            direction = self.direction.as_str(),
-            "src.addr" = %self.src,
-            "src.identity" = src_id.as_deref(),
-            "dst.addr" = %self.dst,
-            "dst.identity" = dst_id.as_deref(),
-            error = %error,
-            "connection failed"
-        );
+        let f = Fields::of(&self.0);
+        access_event!(tracing::Level::WARN, f, error = %error, "connection failed");
     }
 }
+
+impl Drop for ConnectionLog {
+    fn drop(&mut self) {
+        // an open socket until the record goes, however the connection ended
+        if let Some(g) = self.0.socket.take() {
+            g.dec();
+        }
+    }
+}
+
+/// The identity fields of one record, as the access log writes them.
+struct Fields {
+    src_addr: SocketAddr,
+    src_workload: Option<String>,
+    src_namespace: Option<String>,
+    src_identity: Option<String>,
+    src_cluster: Option<String>,
+    dst_addr: SocketAddr,
+    dst_hbone_addr: Option<SocketAddr>,
+    dst_service: Option<String>,
+    dst_workload: Option<String>,
+    dst_namespace: Option<String>,
+    dst_identity: Option<String>,
+    dst_cluster: Option<String>,
+    direction: &'static str,
+}
+
+impl Fields {
+    fn of(r: &Record) -> Fields {
+        let l = &r.labels;
+        let mtls = l.connection_security_policy == SecurityPolicy::MutualTls;
+        let id = |p: &Option<Identity>| p.as_ref().filter(|_| mtls).map(ToString::to_string);
+        let own = |v: &crate::proxy::metrics::labels::Value| v.get().map(str::to_owned);
+        Fields {
+            src_addr: r.src,
+            src_workload: r.src_workload.clone(),
+            src_namespace: own(&l.source_workload_namespace),
+            src_identity: id(&l.source_principal.0),
+            src_cluster: own(&l.source_cluster),
+            dst_addr: r.dst,
+            dst_hbone_addr: r.hbone_addr,
+            dst_service: own(&l.destination_service),
+            dst_workload: r.dst_workload.clone(),
+            dst_namespace: own(&l.destination_workload_namespace),
+            dst_identity: id(&l.destination_principal.0),
+            dst_cluster: own(&l.destination_cluster),
+            direction: l.reporter.as_str(),
+        }
+    }
+}
+
 
 /// `(bytes_sent, bytes_recv)` of the access log for a connection in `direction` (unflipped: what
 /// the proxy sent towards, and received from, its remote side).
@@ -160,15 +280,19 @@ pub(crate) mod tests {
         (r, logs)
     }
 
+    /// A record of a connection in `direction` from 10.0.0.1:5 to 10.0.0.2:80, counted as opened.
+    pub(crate) fn opened(m: &Metrics, direction: Direction) -> ConnectionLog {
+        let mut log = ConnectionLog::new(direction, addr("10.0.0.1:5"), addr("10.0.0.2:80"));
+        log.opened(m);
+        log
+    }
+
     #[test]
     fn counters_render_with_istio_names() {
         let m = Metrics::default();
-        let log = ConnectionLog::open(
-            &m,
-            Direction::Inbound,
-            addr("10.0.0.1:5"),
-            addr("10.0.0.2:80"),
-        );
+        let log = opened(&m, Direction::Inbound);
+        let text = m.render();
+        assert!(text.contains("istio_tcp_sockets_open{reporter=\"destination\"} 1\n"), "{text}");
         log.finish(
             &m,
             ByteCounts {
@@ -190,7 +314,97 @@ pub(crate) mod tests {
             counter(&text, "istio_tcp_connections_opened_total", "source"),
             0
         );
-        assert_eq!(m.opened(Direction::Inbound), 1);
+        assert_eq!(
+            counter(&text, "istio_tcp_connections_failed_total", "destination"),
+            0
+        );
+        assert!(text.contains("istio_tcp_sockets_open{reporter=\"destination\"} 0\n"), "{text}");
+        assert!(text.ends_with("# EOF\n"), "{text}");
+    }
+
+    #[test]
+    fn a_failure_is_counted_opened_closed_and_failed_with_its_flag() {
+        let m = Metrics::default();
+        let log = ConnectionLog::new(Direction::Inbound, addr("10.0.0.1:5"), addr("10.0.0.2:80"));
+        let ((), logs) = capture_logs(|| log.failed(&m, ResponseFlags::Denied, &"denied by policy"));
+        let text = m.render();
+        for name in [
+            "istio_tcp_connections_opened_total",
+            "istio_tcp_connections_closed_total",
+            "istio_tcp_connections_failed_total",
+        ] {
+            assert_eq!(counter(&text, name, "destination"), 1, "{name}: {text}");
+        }
+        assert!(text.contains("response_flags=\"DENY\""), "{text}");
+        assert!(logs.contains("connection failed"), "{logs}");
+        assert!(logs.contains("error=denied by policy"), "{logs}");
+    }
+
+    #[test]
+    fn a_record_dropped_unfinished_closes_its_socket() {
+        let m = Metrics::default();
+        drop(opened(&m, Direction::Outbound));
+        let text = m.render();
+        assert!(text.contains("istio_tcp_sockets_open{reporter=\"source\"} 0\n"), "{text}");
+    }
+
+    /// The fields ztunnel logs, in its order, with their values: workload names, namespaces,
+    /// identities (mTLS), the service, `dst.addr` the HBONE address and `dst.hbone_addr` the
+    /// target.
+    #[test]
+    fn the_log_line_has_ztunnels_fields() {
+        let yaml = r#"
+workloads:
+- {uid: a, name: client-pod, namespace: ns1, serviceAccount: alice, workloadIps: ["10.0.0.1"], protocol: HBONE, canonicalName: client}
+- {uid: b, name: server-pod, namespace: ns2, serviceAccount: bob, workloadIps: ["10.0.0.2"], protocol: HBONE, services: {"ns2/svc.example": {80: 8080}}}
+services:
+- {name: svc, namespace: ns2, hostname: svc.example, vips: ["/10.96.0.1"], ports: {80: 8080}}
+"#;
+        let cfg = crate::proxy::config::parse_local_config(yaml).expect("config");
+        let st = crate::proxy::state::ProxyState::from_config(&cfg).expect("state");
+        let src = st.workload_by_ip("10.0.0.1".parse().expect("ip")).expect("src");
+        let dst = st.workload_by_ip("10.0.0.2".parse().expect("ip")).expect("dst");
+        let route = crate::proxy::route::Route {
+            target: addr("10.0.0.2:8080"),
+            hbone: Some(crate::proxy::route::Hbone {
+                addr: addr("10.0.0.2:15008"),
+                authority: addr("10.0.0.2:8080"),
+                identity: dst.identity(),
+                service_host: None,
+            }),
+        };
+        let (labels, dest) = crate::proxy::metrics::labels::outbound(
+            &st,
+            &src,
+            &src.identity(),
+            addr("10.96.0.1:80"),
+            &route,
+        );
+        let m = Metrics::default();
+        let mut log = ConnectionLog::new(Direction::Outbound, addr("10.0.0.1:5"), addr("10.96.0.1:80"));
+        log.describe(labels, Some(&src), dest.as_deref());
+        log.set_dst(addr("10.0.0.2:15008"));
+        log.set_hbone_target(addr("10.0.0.2:8080"));
+        let ((), logs) = capture_logs(|| {
+            log.finish(
+                &m,
+                ByteCounts {
+                    client_to_server: 3,
+                    server_to_client: 4,
+                },
+                None,
+            )
+        });
+        let line = logs.lines().find(|l| l.contains("connection complete")).expect("line");
+        let want = "src.addr=10.0.0.1:5 src.workload=\"client-pod\" src.namespace=\"ns1\" \
+                    src.identity=\"spiffe://cluster.local/ns/ns1/sa/alice\" \
+                    dst.addr=10.0.0.2:15008 dst.hbone_addr=10.0.0.2:8080 \
+                    dst.service=\"svc.example\" dst.workload=\"server-pod\" \
+                    dst.namespace=\"ns2\" dst.identity=\"spiffe://cluster.local/ns/ns2/sa/bob\" \
+                    direction=\"outbound\" bytes_sent=3 bytes_recv=4 duration=";
+        assert!(line.contains(want), "{line}\nwant {want}");
+        assert!(line.contains("ms"), "{line}");
+        assert!(line.contains(" access: "), "{line}");
     }
 
     #[derive(Clone, Default)]
@@ -213,24 +427,14 @@ pub(crate) mod tests {
         let m = Metrics::default();
         let ((), logs) = capture_logs(|| {
             // outbound: relay_h2(client tcp, ..) => sent = client -> server
-            let out = ConnectionLog::open(
-                &m,
-                Direction::Outbound,
-                addr("10.0.0.1:5"),
-                addr("10.0.0.2:80"),
-            );
+            let out = opened(&m, Direction::Outbound);
             let t = Transferred {
                 sent: 100,
                 received: 7,
             };
             out.finish(&m, ByteCounts::client_side(t), None);
             // inbound HBONE: relay_h2(app tcp, ..) => sent = server -> client
-            let inb = ConnectionLog::open(
-                &m,
-                Direction::Inbound,
-                addr("10.0.0.1:5"),
-                addr("10.0.0.2:80"),
-            );
+            let inb = opened(&m, Direction::Inbound);
             let t = Transferred {
                 sent: 7,
                 received: 100,

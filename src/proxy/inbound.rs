@@ -30,6 +30,7 @@ use crate::proxy::hbone::{self, CONNECT_TIMEOUT, HANDSHAKE_TIMEOUT};
 use crate::proxy::identity::Identity;
 use crate::proxy::live::Revocable;
 use crate::proxy::metrics::Direction;
+use crate::proxy::metrics::labels::{self, ResponseFlags};
 use crate::proxy::pod::PodProxy;
 use crate::proxy::socket::{self, SocketError};
 use crate::proxy::task::{self, ClientSide, Logged, ServerSide};
@@ -202,21 +203,21 @@ async fn stream_setup(
         local,
         peer_id,
     } = ends;
-    let mut log = ConnectionLog::open(&pod.ctx.metrics, Direction::Inbound, peer, local);
-    log.src_identity = peer_id;
-    log.dst_identity = Some(pod.identity.clone());
-    log.hbone_addr = Some(local);
+    let metrics = &pod.ctx.metrics;
+    let mut log = ConnectionLog::new(Direction::Inbound, peer, local);
+    describe(&pod, &mut log, peer, peer_id.as_ref(), *target.as_ref().unwrap_or(&local));
     let target = match target {
         Ok(t) => t,
         Err(e) => {
             refuse(&mut respond, StatusCode::BAD_REQUEST);
-            log.failed(&pod.ctx.metrics, &e);
+            log.failed(metrics, ResponseFlags::Connect, &e);
             return None;
         }
     };
-    log.dst = target;
+    log.set_hbone_target(target);
+    log.opened(metrics);
     let conn = authz::Connection {
-        src_identity: log.src_identity.as_ref(),
+        src_identity: peer_id.as_ref(),
         src_ip: peer.ip(),
         dst: target,
     };
@@ -224,7 +225,7 @@ async fn stream_setup(
     let registration = pod.live.register(&conn);
     if let Err(denied) = authorize(&pod, &conn) {
         refuse(&mut respond, StatusCode::UNAUTHORIZED);
-        log.failed(&pod.ctx.metrics, &InboundError::Policy(denied));
+        log.failed(metrics, ResponseFlags::Denied, &InboundError::Policy(denied));
         return None;
     }
     let upstream = match pod
@@ -235,14 +236,14 @@ async fn stream_setup(
         Ok(u) => u,
         Err(e) => {
             refuse(&mut respond, StatusCode::SERVICE_UNAVAILABLE);
-            log.failed(&pod.ctx.metrics, &InboundError::Upstream(e));
+            log.failed(metrics, ResponseFlags::Connect, &InboundError::Upstream(e));
             return None;
         }
     };
     let send = match respond.send_response(Response::new(()), false) {
         Ok(s) => s,
         Err(e) => {
-            log.failed(&pod.ctx.metrics, &InboundError::H2(e));
+            log.failed(metrics, ResponseFlags::H2, &InboundError::H2(e));
             return None;
         }
     };
@@ -251,6 +252,21 @@ async fn stream_setup(
         log,
         registration.revocable(copy::relay_h2(upstream, send, body)),
     ))
+}
+
+/// Labels `log` of a connection to this pod for `target` from `peer` (proving `peer_id`), from
+/// the current state ([`labels::inbound`]).
+fn describe(
+    pod: &PodProxy,
+    log: &mut ConnectionLog,
+    peer: SocketAddr,
+    peer_id: Option<&Identity>,
+    target: SocketAddr,
+) {
+    let state = pod.ctx.state.load();
+    let dest = pod.current_workload(&state);
+    let (labels, src) = labels::inbound(&state, &dest, peer, peer_id, target);
+    log.describe(labels, src.as_deref(), Some(&dest));
 }
 
 /// [`authz::check`] against the current state, for this pod's workload as the state has it now
@@ -309,20 +325,22 @@ async fn plaintext_setup(
             return None;
         }
     };
-    let mut log = ConnectionLog::open(&pod.ctx.metrics, Direction::Inbound, peer, dst);
-    log.dst_identity = Some(pod.identity.clone());
+    let metrics = &pod.ctx.metrics;
+    let mut log = ConnectionLog::new(Direction::Inbound, peer, dst);
+    describe(&pod, &mut log, peer, None, dst);
     if NEVER_TARGET_PORTS.contains(&dst.port()) {
-        log.failed(&pod.ctx.metrics, &InboundError::IllegalPort(dst.port()));
+        log.failed(metrics, ResponseFlags::Connect, &InboundError::IllegalPort(dst.port()));
         socket::reset(tcp);
         return None;
     }
     // Only the pod itself is a valid target: never relay to other addresses (no open proxy).
     if !pod.ips.contains(&dst.ip()) {
         let own = pod.ips.first().copied().unwrap_or(dst.ip());
-        log.failed(&pod.ctx.metrics, &InboundError::IpMismatch(dst.ip(), own));
+        log.failed(metrics, ResponseFlags::Connect, &InboundError::IpMismatch(dst.ip(), own));
         socket::reset(tcp);
         return None;
     }
+    log.opened(metrics);
     let conn = authz::Connection {
         src_identity: None,
         src_ip: peer.ip(),
@@ -330,7 +348,7 @@ async fn plaintext_setup(
     };
     let registration = pod.live.register(&conn);
     if let Err(denied) = authorize(&pod, &conn) {
-        log.failed(&pod.ctx.metrics, &InboundError::Policy(denied));
+        log.failed(metrics, ResponseFlags::Denied, &InboundError::Policy(denied));
         socket::reset(tcp);
         return None;
     }
@@ -348,7 +366,7 @@ async fn plaintext_setup(
             ))
         }
         Err(e) => {
-            log.failed(&pod.ctx.metrics, &InboundError::Upstream(e));
+            log.failed(metrics, ResponseFlags::Connect, &InboundError::Upstream(e));
             socket::reset(tcp);
             None
         }

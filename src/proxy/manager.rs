@@ -175,6 +175,10 @@ impl ProxyManager {
                 }
                 WorkloadRequest::Keep { .. } => Ok(()),
             };
+            let wm = &self.ctx.metrics.workload_manager;
+            wm.active.set(i64::try_from(self.len()).unwrap_or(i64::MAX));
+            wm.pending
+                .set(i64::try_from(failed.len()).unwrap_or(i64::MAX));
             if ready != (snapshot && failed.is_empty()) {
                 ready = !ready;
                 on_ready(ready);
@@ -188,10 +192,12 @@ impl ProxyManager {
     pub fn stop_all(&self) {
         if let Ok(mut r) = self.running.lock() {
             for (uid, p) in r.drain() {
+                self.ctx.metrics.workload_manager.stopped.inc();
                 p.task.abort();
                 self.ctx.local.remove(&uid, &p.ips);
                 self.ctx.certs.release(&p.identity);
             }
+            self.ctx.metrics.workload_manager.active.set(0);
         }
     }
 
@@ -201,6 +207,7 @@ impl ProxyManager {
             p.task.abort();
             self.ctx.local.remove(uid, &p.ips);
             self.ctx.certs.release(&p.identity);
+            self.ctx.metrics.workload_manager.stopped.inc();
             tracing::info!(%uid, "pod proxy stopped");
         }
     }
@@ -284,6 +291,7 @@ impl ProxyManager {
             );
             hold.keep();
         }
+        self.ctx.metrics.workload_manager.started.inc();
         Ok(())
     }
 

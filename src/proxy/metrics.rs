@@ -1,9 +1,16 @@
-//! Istio-named TCP connection counters of the whole proxy, rendered for `/metrics`.
+//! The proxy's metrics with ztunnel's names and labels (`../shared/spec/ztunnel.md` §7), kept
+//! in prometheus-client families that [`Metrics::register`] adds to the process's registry:
 //!
-//! The counters are exported as `istio_tcp_connections_opened_total`,
-//! `istio_tcp_connections_closed_total`, `istio_tcp_sent_bytes_total`, `istio_tcp_received_bytes_total`
-//! and `istio_tcp_connections_failed_total`, labelled by `reporter` (source = outbound, destination =
-//! inbound).
+//! - `istio_tcp_connections_opened_total`, `istio_tcp_connections_closed_total`,
+//!   `istio_tcp_connections_failed_total` (closed with a failure flag), `istio_tcp_sent_bytes_total`
+//!   and `istio_tcp_received_bytes_total`, labelled with ztunnel's traffic labels
+//!   ([`labels::TrafficLabels`]: `reporter` source = outbound, destination = inbound, the source
+//!   and destination workloads, the service, `connection_security_policy`, ...);
+//! - `istio_tcp_sockets_open` (gauge, label `reporter`): connections open now;
+//! - the DNS proxy's `istio_dns_*` ([`DnsMetrics`]);
+//! - `workload_manager_active_proxy_count`, `workload_manager_pending_proxy_count`,
+//!   `workload_manager_proxies_started_total`, `workload_manager_proxies_stopped_total`
+//!   ([`WorkloadManagerMetrics`]).
 //!
 //! Byte counters follow Istio's flipped convention (istio/istio#32399): for both reporters,
 //! `istio_tcp_received_bytes_total` counts the request direction (client → server) and
@@ -11,11 +18,17 @@
 //! destination report the same numbers for one connection. The access log
 //! ([`crate::proxy::accesslog`]) records each connection and feeds these counters.
 
-use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU64, Ordering};
+pub mod labels;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
 
 use crate::proxy::copy::Transferred;
 use crate::proxy::dns::metrics::DnsMetrics;
+use labels::{ResponseFlags, TrafficLabels};
 
 /// Bytes of one finished connection, by direction of the original request.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -47,9 +60,10 @@ impl ByteCounts {
 }
 
 /// Direction of a proxied connection.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub enum Direction {
     /// From the pod's app to somewhere (reporter `source`).
+    #[default]
     Outbound,
     /// Towards the pod's app (reporter `destination`).
     Inbound,
@@ -64,93 +78,150 @@ impl Direction {
         }
     }
 
-    fn idx(self) -> usize {
+    /// `source` or `destination`, as the `reporter` label.
+    pub fn reporter(self) -> &'static str {
         match self {
-            Direction::Outbound => 0,
-            Direction::Inbound => 1,
+            Direction::Outbound => "source",
+            Direction::Inbound => "destination",
         }
     }
 }
 
-/// Connection counters of the whole proxy.
+/// The label of `istio_tcp_sockets_open`.
+#[derive(Clone, Debug, Default, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SocketLabels {
+    /// `source` or `destination`.
+    pub reporter: Direction,
+}
+
+/// The proxy's metric families (clones share the series: [`Metrics::register`] adds clones).
 #[derive(Debug, Default)]
 pub struct Metrics {
-    opened: [AtomicU64; 2],
-    closed: [AtomicU64; 2],
-    failed: [AtomicU64; 2],
-    sent: [AtomicU64; 2],
-    received: [AtomicU64; 2],
-    /// The DNS proxy's counters (rendered after the TCP ones).
+    opened: Family<TrafficLabels, Counter>,
+    closed: Family<TrafficLabels, Counter>,
+    failed: Family<TrafficLabels, Counter>,
+    sent: Family<TrafficLabels, Counter>,
+    received: Family<TrafficLabels, Counter>,
+    sockets_open: Family<SocketLabels, Gauge>,
+    /// The DNS proxy's metrics.
     pub dns: DnsMetrics,
+    /// The in-pod workload manager's metrics.
+    pub workload_manager: WorkloadManagerMetrics,
 }
 
 impl Metrics {
-    /// Prometheus text exposition of the counters.
+    /// Registers every family into `registry`: the `istio_` ones under that prefix, the workload
+    /// manager's under `workload_manager_` (as ztunnel's registry lays them out).
+    pub fn register(&self, registry: &mut Registry) {
+        let istio = registry.sub_registry_with_prefix("istio");
+        istio.register(
+            "tcp_connections_opened",
+            "The total number of TCP connections opened",
+            self.opened.clone(),
+        );
+        istio.register(
+            "tcp_connections_closed",
+            "The total number of TCP connections closed",
+            self.closed.clone(),
+        );
+        istio.register(
+            "tcp_received_bytes",
+            "The size of total bytes received during request in case of a TCP connection",
+            self.received.clone(),
+        );
+        istio.register(
+            "tcp_sent_bytes",
+            "The size of total bytes sent during response in case of a TCP connection",
+            self.sent.clone(),
+        );
+        istio.register(
+            "tcp_connections_failed",
+            "The total number of TCP connections that failed to establish (unstable)",
+            self.failed.clone(),
+        );
+        istio.register(
+            "tcp_sockets_open",
+            "The current number of open TCP sockets (unstable)",
+            self.sockets_open.clone(),
+        );
+        self.dns.register(istio);
+        self.workload_manager
+            .register(registry.sub_registry_with_prefix("workload_manager"));
+    }
+
+    /// The OpenMetrics text of these families alone (tests, the demo).
     pub fn render(&self) -> String {
+        let mut registry = Registry::default();
+        self.register(&mut registry);
         let mut out = String::new();
-        for (name, help, v) in [
-            (
-                "istio_tcp_connections_opened_total",
-                "Total TCP connections opened",
-                &self.opened,
-            ),
-            (
-                "istio_tcp_connections_closed_total",
-                "Total TCP connections closed",
-                &self.closed,
-            ),
-            (
-                "istio_tcp_connections_failed_total",
-                "Total TCP connections that failed",
-                &self.failed,
-            ),
-            (
-                "istio_tcp_sent_bytes_total",
-                "Bytes sent in the response direction (server to client)",
-                &self.sent,
-            ),
-            (
-                "istio_tcp_received_bytes_total",
-                "Bytes received in the request direction (client to server)",
-                &self.received,
-            ),
-        ] {
-            let _ = writeln!(out, "# HELP {name} {help}.\n# TYPE {name} counter");
-            for (i, reporter) in ["source", "destination"].iter().enumerate() {
-                let _ = writeln!(
-                    out,
-                    "{name}{{reporter=\"{reporter}\",request_protocol=\"tcp\"}} {}",
-                    v[i].load(Ordering::Relaxed)
-                );
-            }
-        }
-        self.dns.render(&mut out);
+        // writing into a String does not fail
+        let _ = prometheus_client::encoding::text::encode(&mut out, &registry);
         out
     }
 
-    /// Total opened connections in `direction` (for tests and the demo).
-    pub fn opened(&self, direction: Direction) -> u64 {
-        self.opened[direction.idx()].load(Ordering::Relaxed)
+    /// Counts a connection opened with `labels` and one more open socket, whose series it
+    /// returns (to decrement when the connection is gone).
+    pub fn connection_opened(&self, labels: &TrafficLabels) -> Gauge {
+        self.opened.get_or_create(labels).inc();
+        let socket = self
+            .sockets_open
+            .get_or_create_owned(&SocketLabels {
+                reporter: labels.reporter,
+            });
+        socket.inc();
+        socket
     }
 
-    /// Counts a connection opened in `direction`.
-    pub fn connection_opened(&self, direction: Direction) {
-        self.opened[direction.idx()].fetch_add(1, Ordering::Relaxed);
+    /// Counts a connection with `labels` that ended after carrying `bytes` (closed, the byte
+    /// counters in the flipped convention of the module docs, and failed when its
+    /// `response_flags` say so).
+    pub fn connection_closed(&self, labels: &TrafficLabels, bytes: ByteCounts) {
+        self.closed.get_or_create(labels).inc();
+        self.sent.get_or_create(labels).inc_by(bytes.server_to_client);
+        self.received
+            .get_or_create(labels)
+            .inc_by(bytes.client_to_server);
+        if labels.response_flags != ResponseFlags::None {
+            self.failed.get_or_create(labels).inc();
+        }
     }
+}
 
-    /// Counts a connection in `direction` that ended after carrying `bytes` (closed, and the byte
-    /// counters in the flipped convention of the module docs).
-    pub fn connection_closed(&self, direction: Direction, bytes: ByteCounts) {
-        let i = direction.idx();
-        self.closed[i].fetch_add(1, Ordering::Relaxed);
-        self.sent[i].fetch_add(bytes.server_to_client, Ordering::Relaxed);
-        self.received[i].fetch_add(bytes.client_to_server, Ordering::Relaxed);
-    }
+/// The in-pod workload manager's figures, ztunnel's `src/inpod/metrics.rs`.
+#[derive(Debug, Default)]
+pub struct WorkloadManagerMetrics {
+    /// Pods whose proxy is up.
+    pub active: Gauge,
+    /// Pods whose proxy is not up yet (retried).
+    pub pending: Gauge,
+    /// Proxies started.
+    pub started: Counter,
+    /// Proxies stopped.
+    pub stopped: Counter,
+}
 
-    /// Counts a connection in `direction` that failed before carrying data (failed and closed).
-    pub fn connection_failed(&self, direction: Direction) {
-        self.failed[direction.idx()].fetch_add(1, Ordering::Relaxed);
-        self.closed[direction.idx()].fetch_add(1, Ordering::Relaxed);
+impl WorkloadManagerMetrics {
+    fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "active_proxy_count",
+            "The total number current workloads with active proxies (unstable)",
+            self.active.clone(),
+        );
+        registry.register(
+            "pending_proxy_count",
+            "The total number current workloads with pending proxies (unstable)",
+            self.pending.clone(),
+        );
+        registry.register(
+            "proxies_started",
+            "The total number of proxies that were started (unstable)",
+            self.started.clone(),
+        );
+        registry.register(
+            "proxies_stopped",
+            "The total number of proxies that were stopped (unstable)",
+            self.stopped.clone(),
+        );
     }
 }
 
@@ -158,13 +229,25 @@ impl Metrics {
 pub(crate) mod tests {
     use super::*;
 
-    /// The value of counter `name` for `reporter` in rendered metrics `text`.
+    /// The sum of TCP counter `name`'s series for `reporter` in rendered metrics `text` (0 when
+    /// the family has none: prometheus-client leaves out a family without series).
     pub(crate) fn counter(text: &str, name: &str, reporter: &str) -> u64 {
-        let prefix = format!("{name}{{reporter=\"{reporter}\",request_protocol=\"tcp\"}} ");
+        assert!(
+            [
+                "istio_tcp_connections_opened_total",
+                "istio_tcp_connections_closed_total",
+                "istio_tcp_connections_failed_total",
+                "istio_tcp_sent_bytes_total",
+                "istio_tcp_received_bytes_total",
+            ]
+            .contains(&name),
+            "not a TCP counter: {name}"
+        );
+        let reporter = format!("reporter=\"{reporter}\"");
         text.lines()
-            .find_map(|l| l.strip_prefix(&prefix))
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("no {prefix} in {text}"))
+            .filter(|l| l.starts_with(&format!("{name}{{")) && l.contains(&reporter))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .sum()
     }
 
     /// Asserts both reporters' byte counters: `received` in the request direction, `sent` in the

@@ -19,6 +19,7 @@ use crate::proxy::accesslog::ConnectionLog;
 use crate::proxy::copy::{self, CopyError, Transferred};
 use crate::proxy::hbone::{self, CONNECT_TIMEOUT};
 use crate::proxy::metrics::Direction;
+use crate::proxy::metrics::labels::{self, ResponseFlags};
 use crate::proxy::pod::PodProxy;
 use crate::proxy::pool::{Leased, PoolError, PoolKey, PooledStream};
 use crate::proxy::route::{self, RouteError};
@@ -53,6 +54,19 @@ pub enum OutboundError {
     Request(#[source] http::Error),
 }
 
+impl OutboundError {
+    /// The `response_flags` of a connection that failed so.
+    pub fn flags(&self) -> ResponseFlags {
+        match self {
+            OutboundError::Pool(PoolError::Tls(_) | PoolError::Handshake { .. }) => {
+                ResponseFlags::Tls
+            }
+            OutboundError::Pool(PoolError::H2 { .. }) => ResponseFlags::H2,
+            _ => ResponseFlags::Connect,
+        }
+    }
+}
+
 /// A passthrough relay (boxed: the rare path must not size every HBONE task).
 type Passthrough = Pin<Box<dyn Future<Output = Result<Transferred, CopyError>> + Send>>;
 
@@ -81,20 +95,28 @@ async fn setup(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) -> Option
         }
     };
     let client = crate::proxy::socket::canonical(client);
-    let mut log = ConnectionLog::open(&pod.ctx.metrics, Direction::Outbound, client, dst);
-    log.src_identity = Some(pod.identity.clone());
+    let metrics = &pod.ctx.metrics;
+    let mut log = ConnectionLog::new(Direction::Outbound, client, dst);
     if NEVER_TARGET_PORTS.contains(&dst.port())
         && (dst.ip().is_loopback() || pod.ips.contains(&dst.ip()))
     {
-        log.failed(&pod.ctx.metrics, &OutboundError::SelfCall(dst));
+        log.failed(metrics, ResponseFlags::Connect, &OutboundError::SelfCall(dst));
         crate::proxy::socket::reset(tcp);
         return None;
     }
     let state = pod.ctx.state.load();
-    let route = match route::route(&state, &pod.current_workload(&state), dst, client) {
+    let src = pod.current_workload(&state);
+    let route = match route::route(&state, &src, dst, client) {
         Ok(r) => r,
         Err(e) => {
-            log.failed(&pod.ctx.metrics, &OutboundError::Route(e));
+            // what is known: the source and the service dialled
+            let none = route::Route {
+                target: dst,
+                hbone: None,
+            };
+            let (labels, _) = labels::outbound(&state, &src, &pod.identity, dst, &none);
+            log.describe(labels, Some(&src), None);
+            log.failed(metrics, ResponseFlags::Connect, &OutboundError::Route(e));
             crate::proxy::socket::reset(tcp);
             return None;
         }
@@ -103,13 +125,20 @@ async fn setup(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) -> Option
     if route.hbone.is_none() {
         route.hbone = pod.local_hbone(&state, route.target);
     }
-    drop(state);
-    log.dst = route.target;
+    let (labels, dest) = labels::outbound(&state, &src, &pod.identity, dst, &route);
+    log.describe(labels, Some(&src), dest.as_deref());
+    drop((state, src, dest));
     let target = route.target;
+    match &route.hbone {
+        Some(h) => {
+            log.set_dst(h.addr);
+            log.set_hbone_target(h.authority);
+        }
+        None => log.set_dst(target),
+    }
+    log.opened(metrics);
     let relay = match route.hbone {
         Some(hbone) => {
-            log.hbone_addr = Some(hbone.addr);
-            log.dst_identity = Some(hbone.identity.clone());
             let key = PoolKey {
                 src: pod.identity.clone(),
                 dst: hbone.identity,
@@ -132,7 +161,7 @@ async fn setup(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) -> Option
                     lease,
                 )),
                 Err(e) => {
-                    log.failed(&pod.ctx.metrics, &e);
+                    log.failed(metrics, e.flags(), &e);
                     crate::proxy::socket::reset(tcp);
                     return None;
                 }
@@ -144,7 +173,7 @@ async fn setup(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) -> Option
                 Either::Right(relay)
             }
             Err(e) => {
-                log.failed(&pod.ctx.metrics, &OutboundError::Socket(e));
+                log.failed(metrics, ResponseFlags::Connect, &OutboundError::Socket(e));
                 crate::proxy::socket::reset(tcp);
                 return None;
             }

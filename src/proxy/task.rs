@@ -92,6 +92,21 @@ where
     }
 }
 
+impl<F, const LOCAL_IS_CLIENT: bool> Drop for Logged<F, LOCAL_IS_CLIENT> {
+    /// A relay dropped before it ended (its pod stopped, the proxy shut down) is logged and counted
+    /// as closed with an error, as ztunnel records a connection closed by its drain; the bytes it
+    /// moved are not known here.
+    fn drop(&mut self) {
+        if let Some(log) = self.log.take() {
+            log.finish(
+                &self.ctx.metrics,
+                ByteCounts::default(),
+                Some(&"connection closed by the proxy (pod or proxy stopped)"),
+            );
+        }
+    }
+}
+
 /// The connection task: `setup` boxed, then the relay it returned, if any (`None`: setup failed
 /// and has logged why).
 pub fn run<S, F, const LOCAL_IS_CLIENT: bool>(setup: S) -> impl Future<Output = ()> + Send + 'static
@@ -107,7 +122,7 @@ mod tests {
     use std::future::{Ready, ready};
 
     use super::*;
-    use crate::proxy::accesslog::tests::{addr, capture_logs};
+    use crate::proxy::accesslog::tests::capture_logs;
     use crate::proxy::identity::{Ca, CertManager};
     use crate::proxy::metrics::tests::{assert_byte_counters, counter};
     use crate::proxy::metrics::{Direction, Metrics};
@@ -127,12 +142,7 @@ mod tests {
     }
 
     fn log(ctx: &ProxyContext, direction: Direction) -> ConnectionLog {
-        ConnectionLog::open(
-            &ctx.metrics,
-            direction,
-            addr("10.0.0.1:5"),
-            addr("10.0.0.2:80"),
-        )
+        crate::proxy::accesslog::tests::opened(&ctx.metrics, direction)
     }
 
     type Outcome = Ready<Result<Transferred, CopyError>>;

@@ -9,6 +9,7 @@
 //! - [`held`]: what the client holds and the per-response ACK/NACK logic, free of I/O.
 //! - [`client`]: the stream, reconnects with backoff, readiness, publishing to the
 //!   [`StateHandle`].
+//! - [`metrics`]: ztunnel's `istio_xds_*` counters ([`XdsConfig::metrics`]).
 //!
 //! Front door: build an [`XdsConfig`] (endpoint and [`CallAuth`] from `proxy::control`, a
 //! [`NodeIdentity::ztunnel`] node) and spawn [`run`]`(cfg, state, &readiness, shutdown)`. It
@@ -22,6 +23,7 @@
 pub mod client;
 pub mod convert;
 pub mod held;
+pub mod metrics;
 pub mod proto;
 
 pub use client::{

@@ -199,8 +199,12 @@ impl Reconciler {
                 _ = &mut shutdown => return,
                 change = changes.recv() => match change {
                     None => return,
-                    Some(Change::Pod { namespace, name }) => queue.push((namespace, name)),
+                    Some(Change::Pod { namespace, name }) => {
+                        self.pods.metrics.reconcile_event("pod");
+                        queue.push((namespace, name));
+                    }
                     Some(Change::Namespace(ns)) => {
+                        self.pods.metrics.reconcile_event("namespace");
                         for p in self.watches.pods_in(&ns) {
                             queue.push(key_of(&p));
                         }

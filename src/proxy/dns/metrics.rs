@@ -4,19 +4,24 @@
 //! `istio_dns_upstream_request_duration_seconds` (forwarded requests), each labelled
 //! `request_query_type` (`a`, `aaaa`, `srv`, ...), `request_protocol` (`udp`, `tcp`),
 //! `source_canonical_service` and `source_canonical_revision` (the pod's; `unknown` when unset).
-//! A label set shows up in a metric once that metric counted it (as prometheus-client families do).
-//! The histogram's buckets are ztunnel's (0.001 … 5 s).
+//! A label set shows up in a family once that family counted it (prometheus-client families).
+//! The histogram's buckets are ztunnel's (0.0005 … 5 s).
 
-use std::collections::BTreeMap;
-use std::fmt::Write as _;
-use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
+use prometheus_client::encoding::{EncodeLabel, EncodeLabelSet, LabelSetEncoder};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::{Registry, Unit};
+
+use crate::proxy::metrics::labels::Value;
+
 /// Upper bounds of the duration histogram's buckets, in seconds (ztunnel's, sorted).
-pub const BUCKETS: [f64; 6] = [0.001, 0.005, 0.01, 0.1, 1.0, 5.0];
+pub const BUCKETS: [f64; 6] = [0.0005, 0.001, 0.01, 0.1, 1.0, 5.0];
 
 /// Transport of a DNS request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Transport {
     /// UDP.
     Udp,
@@ -35,7 +40,7 @@ impl Transport {
 }
 
 /// The labels of one DNS request.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct DnsLabels {
     /// `request_query_type`.
     pub query_type: String,
@@ -47,134 +52,86 @@ pub struct DnsLabels {
     pub canonical_revision: String,
 }
 
-#[derive(Debug, Default, Clone)]
-struct Counts {
-    requests: u64,
-    upstream_requests: u64,
-    upstream_failures: u64,
-    /// Observations per bucket (not cumulative), their sum of seconds and their number.
-    duration_buckets: [u64; BUCKETS.len()],
-    duration_sum: f64,
-    duration_count: u64,
+impl EncodeLabelSet for DnsLabels {
+    fn encode(&self, encoder: &mut LabelSetEncoder) -> Result<(), std::fmt::Error> {
+        ("request_query_type", Value::new(&self.query_type)).encode(encoder.encode_label())?;
+        ("request_protocol", self.protocol.as_str()).encode(encoder.encode_label())?;
+        ("source_canonical_service", Value::new(&self.canonical_service))
+            .encode(encoder.encode_label())?;
+        ("source_canonical_revision", Value::new(&self.canonical_revision))
+            .encode(encoder.encode_label())
+    }
 }
 
-/// The DNS counters of the whole proxy.
-#[derive(Debug, Default)]
+type DurationFamily = Family<DnsLabels, Histogram, fn() -> Histogram>;
+
+/// The DNS metrics of the whole proxy.
+#[derive(Debug)]
 pub struct DnsMetrics {
-    by_labels: Mutex<BTreeMap<DnsLabels, Counts>>,
+    requests: Family<DnsLabels, Counter>,
+    upstream_requests: Family<DnsLabels, Counter>,
+    upstream_failures: Family<DnsLabels, Counter>,
+    upstream_duration: DurationFamily,
+}
+
+impl Default for DnsMetrics {
+    fn default() -> Self {
+        DnsMetrics {
+            requests: Family::default(),
+            upstream_requests: Family::default(),
+            upstream_failures: Family::default(),
+            upstream_duration: Family::new_with_constructor(|| Histogram::new(BUCKETS)),
+        }
+    }
 }
 
 impl DnsMetrics {
-    fn with(&self, labels: &DnsLabels, f: impl FnOnce(&mut Counts)) {
-        let mut map = self
-            .by_labels
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        match map.get_mut(labels) {
-            Some(c) => f(c),
-            None => f(map.entry(labels.clone()).or_default()),
-        }
+    /// Registers the families into `istio` (the registry with the `istio` prefix).
+    pub fn register(&self, istio: &mut Registry) {
+        istio.register(
+            "dns_requests",
+            "Total number of DNS requests (unstable)",
+            self.requests.clone(),
+        );
+        istio.register(
+            "dns_upstream_requests",
+            "Total number of DNS requests forwarded to upstream (unstable)",
+            self.upstream_requests.clone(),
+        );
+        istio.register(
+            "dns_upstream_failures",
+            "Total number of DNS requests that failed to forward upstream (unstable)",
+            self.upstream_failures.clone(),
+        );
+        istio.register_with_unit(
+            "dns_upstream_request_duration",
+            "Total time in seconds Istio takes to get DNS response from upstream (unstable)",
+            Unit::Seconds,
+            self.upstream_duration.clone(),
+        );
     }
 
     /// Counts a request.
     pub fn request(&self, labels: &DnsLabels) {
-        self.with(labels, |c| c.requests += 1);
+        self.requests.get_or_create(labels).inc();
     }
 
     /// Counts a request forwarded upstream.
     pub fn upstream_request(&self, labels: &DnsLabels) {
-        self.with(labels, |c| c.upstream_requests += 1);
+        self.upstream_requests.get_or_create(labels).inc();
     }
 
     /// Counts a forwarded request that got no answer.
     pub fn upstream_failure(&self, labels: &DnsLabels) {
-        self.with(labels, |c| c.upstream_failures += 1);
+        self.upstream_failures.get_or_create(labels).inc();
     }
 
     /// Records how long the upstream took for one forwarded request.
     pub fn upstream_duration(&self, labels: &DnsLabels, took: Duration) {
-        let secs = took.as_secs_f64();
-        self.with(labels, |c| {
-            c.duration_sum += secs;
-            c.duration_count += 1;
-            // observations above the last bound are only in +Inf (the count)
-            if let Some(i) = BUCKETS.iter().position(|b| secs <= *b) {
-                c.duration_buckets[i] += 1;
-            }
-        });
+        self.upstream_duration
+            .get_or_create(labels)
+            .observe(took.as_secs_f64());
     }
-
-    /// Prometheus text exposition of the DNS metrics.
-    pub fn render(&self, out: &mut String) {
-        let map = self
-            .by_labels
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone();
-        for (name, help, pick) in [
-            (
-                "istio_dns_requests_total",
-                "Total number of DNS requests (unstable)",
-                (|c: &Counts| c.requests) as fn(&Counts) -> u64,
-            ),
-            (
-                "istio_dns_upstream_requests_total",
-                "Total number of DNS requests forwarded to upstream (unstable)",
-                |c: &Counts| c.upstream_requests,
-            ),
-            (
-                "istio_dns_upstream_failures_total",
-                "Total number of DNS requests that failed to forward upstream (unstable)",
-                |c: &Counts| c.upstream_failures,
-            ),
-        ] {
-            let _ = writeln!(out, "# HELP {name} {help}.\n# TYPE {name} counter");
-            for (l, c) in map.iter().filter(|(_, c)| pick(c) > 0) {
-                let _ = writeln!(out, "{name}{{{}}} {}", label_text(l), pick(c));
-            }
-        }
-        let name = "istio_dns_upstream_request_duration_seconds";
-        let _ = writeln!(
-            out,
-            "# HELP {name} Total time in seconds Istio takes to get DNS response from upstream \
-             (unstable).\n# TYPE {name} histogram"
-        );
-        for (l, c) in map.iter().filter(|(_, c)| c.duration_count > 0) {
-            let labels = label_text(l);
-            let count = c.duration_count;
-            let mut cumulative = 0;
-            for (bound, n) in BUCKETS.iter().zip(c.duration_buckets) {
-                cumulative += n;
-                let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{bound}\"}} {cumulative}");
-            }
-            let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {count}");
-            let _ = writeln!(out, "{name}_sum{{{labels}}} {}", c.duration_sum);
-            let _ = writeln!(out, "{name}_count{{{labels}}} {count}");
-        }
-    }
-}
-
-/// `k="v",...` in ztunnel's label order, values escaped.
-fn label_text(l: &DnsLabels) -> String {
-    format!(
-        "request_query_type=\"{}\",request_protocol=\"{}\",source_canonical_service=\"{}\",\
-         source_canonical_revision=\"{}\"",
-        escape(&l.query_type),
-        l.protocol.as_str(),
-        escape(or_unknown(&l.canonical_service)),
-        escape(or_unknown(&l.canonical_revision)),
-    )
-}
-
-fn or_unknown(s: &str) -> &str {
-    if s.is_empty() { "unknown" } else { s }
-}
-
-/// Escapes a label value (Prometheus text format: backslash, quote, newline).
-fn escape(v: &str) -> String {
-    v.replace('\\', r"\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
 }
 
 #[cfg(test)]
@@ -197,8 +154,7 @@ mod tests {
         m.request(&labels("srv"));
         m.upstream_request(&labels("srv"));
         m.upstream_duration(&labels("srv"), Duration::from_millis(3));
-        let mut text = String::new();
-        m.render(&mut text);
+        let text = render(&m);
         let a = "request_query_type=\"a\",request_protocol=\"udp\",\
                  source_canonical_service=\"client\",source_canonical_revision=\"unknown\"";
         let srv = a.replace("\"a\"", "\"srv\"");
@@ -212,25 +168,42 @@ mod tests {
         );
         assert!(text.contains(&format!("istio_dns_upstream_requests_total{{{srv}}} 1\n")));
         assert!(!text.contains(&format!("istio_dns_upstream_requests_total{{{a}}}")));
-        assert!(text.contains("# TYPE istio_dns_upstream_failures_total counter"));
+        assert!(!text.contains("istio_dns_upstream_failures"), "nothing failed: {text}");
         let h = "istio_dns_upstream_request_duration_seconds";
         assert!(
-            text.contains(&format!("{h}_bucket{{{srv},le=\"0.001\"}} 0\n")),
+            text.contains(&format!("{h}_bucket{{le=\"0.001\",{srv}}} 0\n")),
             "{text}"
         );
         assert!(
-            text.contains(&format!("{h}_bucket{{{srv},le=\"0.005\"}} 1\n")),
+            text.contains(&format!("{h}_bucket{{le=\"0.01\",{srv}}} 1\n")),
             "{text}"
         );
         assert!(
-            text.contains(&format!("{h}_bucket{{{srv},le=\"+Inf\"}} 1\n")),
+            text.contains(&format!("{h}_bucket{{le=\"+Inf\",{srv}}} 1\n")),
             "{text}"
         );
         assert!(text.contains(&format!("{h}_count{{{srv}}} 1\n")), "{text}");
     }
 
+    fn render(m: &DnsMetrics) -> String {
+        let mut registry = Registry::default();
+        m.register(registry.sub_registry_with_prefix("istio"));
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).expect("encode");
+        text
+    }
+
     #[test]
     fn label_values_are_escaped() {
-        assert_eq!(escape("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+        let m = DnsMetrics::default();
+        m.request(&DnsLabels {
+            canonical_service: "a\"b\\c\nd".into(),
+            ..labels("a")
+        });
+        let text = render(&m);
+        assert!(
+            text.contains("source_canonical_service=\"a\\\"b\\\\c\\nd\""),
+            "{text}"
+        );
     }
 }

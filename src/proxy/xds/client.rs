@@ -11,10 +11,12 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
+use std::sync::Arc;
 
 use prost_types::value::Kind;
 
 use super::held::{Held, Outcome, ResourceType};
+use super::metrics::{TerminationReason, XdsMetrics};
 use super::proto::{DeltaDiscoveryRequest, DeltaDiscoveryResponse, Node, Struct, Value};
 use crate::backoff::{Backoff, Policy, XDS_RECONNECT};
 use crate::proxy::control::{self, CallAuth, ControlEndpoint, ControlError};
@@ -41,6 +43,8 @@ pub struct XdsConfig {
     pub node: NodeIdentity,
     /// Reconnect delays ([`XDS_RECONNECT`] unless changed).
     pub backoff: Policy,
+    /// Where the client counts its messages and ended streams (register it to serve them).
+    pub metrics: Arc<XdsMetrics>,
 }
 
 /// The `Node` sent on a stream's first request: id and string metadata.
@@ -126,6 +130,7 @@ impl XdsConfig {
             auth,
             node,
             backoff: XDS_RECONNECT,
+            metrics: Arc::default(),
         }
     }
 
@@ -246,6 +251,14 @@ impl XdsClient {
             }
             let delay = backoff.next_delay();
             let address = self.cfg.endpoint.address.to_string();
+            let reason = match &result {
+                Err(XdsError::Closed) => TerminationReason::Complete,
+                Err(XdsError::Open(_) | XdsError::Control(_)) => {
+                    TerminationReason::ConnectionError
+                }
+                _ => TerminationReason::Error,
+            };
+            self.cfg.metrics.terminated(reason);
             match result {
                 Err(XdsError::Closed) => {
                     tracing::info!(%address, ?delay, "xds stream closed by istiod; reconnecting");
@@ -288,6 +301,15 @@ impl XdsClient {
                 Err(status) => return Err(XdsError::Stream(status)),
             };
             *got_response = true;
+            let bytes: usize = resp
+                .resources
+                .iter()
+                .filter_map(|r| r.resource.as_ref())
+                .map(|a| a.value.len())
+                .sum();
+            self.cfg
+                .metrics
+                .message(&resp.type_url, u64::try_from(bytes).unwrap_or(u64::MAX));
             let outcome = self.held.apply(&resp);
             log_outcome(&resp, &outcome);
             if outcome.changed() {
