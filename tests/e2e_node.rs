@@ -457,7 +457,8 @@ fn service_traffic_goes_through_its_waypoint_never_around_it() {
     node.wait_log(
         &[
             "direction=\"outbound\"",
-            "dst.addr=10.249.0.200:80",
+            "dst.addr=10.249.0.3:15008",
+            "dst.hbone_addr=10.249.0.200:80",
             "HBONE CONNECT to 10.249.0.3:15008 answered 400",
         ],
         Duration::from_secs(5),

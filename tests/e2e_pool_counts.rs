@@ -189,14 +189,16 @@ fn field(line: &str, name: &str) -> u64 {
         .unwrap_or_else(|| panic!("{name} is not a number in {line}"))
 }
 
-/// The value of a counter line `name{reporter="<reporter>",...} v` in a metrics text.
+/// The sum of the counter lines `name{reporter="<reporter>",...} v` in a metrics text.
 fn counter(text: &str, name: &str, reporter: &str) -> u64 {
     let prefix = format!("{name}{{reporter=\"{reporter}\"");
-    text.lines()
-        .find(|l| l.starts_with(&prefix))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no {prefix} in\n{text}"))
+    let values: Vec<u64> = text
+        .lines()
+        .filter(|l| l.starts_with(&prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse().ok())
+        .collect();
+    assert!(!values.is_empty(), "no {prefix} in\n{text}");
+    values.iter().sum()
 }
 
 /// A transfer the server app ends with a reset (SO_LINGER 0 close after reading `N` bytes) is

@@ -218,7 +218,7 @@ fn round_trip(
         client_ip,
         "the app must see the client's real IP"
     );
-    let dst = format!("dst.addr={app}");
+    let dst = format!("dst.hbone_addr={app}");
     for dir in ["direction=\"outbound\"", "direction=\"inbound\""] {
         let line = wait_log(
             log,

@@ -536,13 +536,15 @@ pub const LINK_ADDRS: (std::net::Ipv4Addr, std::net::Ipv4Addr) = (
 const LISTEN_BACKLOG: i32 = 4096;
 
 /// Local config YAML (ztunnel format) for pods `(name, namespace, service account, ip)` on `node`,
-/// all with protocol HBONE.
+/// all with protocol HBONE, the pod name as workload and canonical name, revision `latest` (what
+/// the telemetry labels show).
 pub fn local_config(node: &str, pods: &[(&str, &str, &str, std::net::IpAddr)]) -> String {
     let mut y = String::from("workloads:\n");
     for (name, ns, sa, ip) in pods {
         y.push_str(&format!(
             "- uid: cluster1//v1/Pod/{ns}/{name}\n  name: {name}\n  namespace: {ns}\n  serviceAccount: {sa}\n  \
-             workloadIps: [\"{ip}\"]\n  protocol: HBONE\n  node: {node}\n"
+             workloadIps: [\"{ip}\"]\n  protocol: HBONE\n  node: {node}\n  workloadName: {name}\n  \
+             canonicalName: {name}\n  canonicalRevision: latest\n"
         ));
     }
     y

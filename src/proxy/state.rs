@@ -129,6 +129,8 @@ pub struct ProxyState {
     by_uid: HashMap<String, Arc<Workload>>,
     by_vip: HashMap<IpAddr, Arc<Service>>,
     by_key: HashMap<String, Arc<Service>>,
+    /// Workload uid → the services naming it in their explicit `endpoints`, by key.
+    by_endpoint_uid: HashMap<String, Vec<Arc<Service>>>,
 }
 
 /// A shared, swappable [`ProxyState`]: readers take the current snapshot with
@@ -370,6 +372,16 @@ impl ProxyState {
             st.by_key.insert(key, s.clone());
             st.services.push(s);
         }
+        let mut by_key: Vec<_> = st.by_key.iter().collect();
+        by_key.sort_by(|a, b| a.0.cmp(b.0));
+        for (_, s) in by_key {
+            for uid in s.endpoints.keys() {
+                st.by_endpoint_uid
+                    .entry(uid.clone())
+                    .or_default()
+                    .push(s.clone());
+            }
+        }
 
         // (index in the config, index in `st.policies`): a duplicate replaces the earlier one in
         // place, so the two numberings differ after the first duplicate.
@@ -426,6 +438,20 @@ impl ProxyState {
     /// The service with key `namespace/hostname`.
     pub fn service_by_key(&self, key: &str) -> Option<Arc<Service>> {
         self.by_key.get(key).cloned()
+    }
+
+    /// The services `w` backs, by `namespace/hostname`: those its `services` map names and those
+    /// naming it (by uid) in their explicit `endpoints`.
+    pub fn services_of(&self, w: &Workload) -> Vec<Arc<Service>> {
+        let mut v: Vec<Arc<Service>> = w
+            .services
+            .keys()
+            .filter_map(|k| self.service_by_key(k))
+            .chain(self.by_endpoint_uid.get(&w.uid).into_iter().flatten().cloned())
+            .collect();
+        v.sort_by(|a, b| (&a.namespace, &a.hostname).cmp(&(&b.namespace, &b.hostname)));
+        v.dedup_by(|a, b| Arc::ptr_eq(a, b));
+        v
     }
 
     /// The workloads behind `svc`, in config order: those whose `services` map has the

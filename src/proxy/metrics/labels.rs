@@ -217,21 +217,20 @@ impl TrafficLabels {
 }
 
 /// The service an inbound connection to `dest`'s `target` was for: among the services `dest`
-/// backs, the first (by `namespace/hostname`) whose target port for `dest` is `target`'s port
-/// (the endpoint's explicit port, the workload's port map, or the service's).
+/// backs ([`ProxyState::services_of`]), the first by `namespace/hostname` whose target port for
+/// `dest` is `target`'s port (the workload's port map, the explicit endpoint's, or the service's).
 pub fn inbound_service(
     state: &ProxyState,
     dest: &Workload,
     target: SocketAddr,
 ) -> Option<Arc<Service>> {
     let port = target.port();
-    dest.services.iter().find_map(|(key, ports)| {
-        let svc = state.service_by_key(key)?;
+    state.services_of(dest).into_iter().find(|svc| {
+        let own = dest.services.get(&svc.key());
         let explicit = svc.endpoints.get(&dest.uid).map(|e| &e.port);
-        let matches = ports.values().any(|p| *p == port)
+        own.is_some_and(|m| m.values().any(|p| *p == port))
             || explicit.is_some_and(|m| m.values().any(|p| *p == port))
-            || svc.ports.values().any(|p| *p == port);
-        matches.then_some(svc)
+            || svc.ports.values().any(|p| *p == port)
     })
 }
 
@@ -286,7 +285,8 @@ mod tests {
     /// client 10.0.0.2 (alice, canonical `client` v1, workload `client-deploy`, cluster `c1`) and
     /// server 10.0.0.3 (bob, canonical `server` v2, no workload name), behind service
     /// `default/svc` at 10.96.0.1 (80 -> 8080), and a second service `default/other` on another
-    /// port of the server (81 -> 9090).
+    /// port of the server (81 -> 9090), and `prod/listed` (82 -> 7070) naming the
+    /// server as an explicit endpoint.
     fn state() -> ProxyState {
         let yaml = r#"
 workloads:
@@ -312,6 +312,12 @@ workloads:
 services:
 - {name: svc, namespace: prod, hostname: svc.example, vips: ["/10.96.0.1"], ports: {80: 8080}}
 - {name: other, namespace: prod, hostname: other.example, vips: ["/10.96.0.2"], ports: {81: 9090}}
+- name: listed
+  namespace: prod
+  hostname: listed.example
+  vips: ["/10.96.0.3"]
+  ports: {82: 7070}
+  endpoints: {server: {workloadUid: u-server}}
 "#;
         let cfg = crate::proxy::config::parse_local_config(yaml).expect("config");
         ProxyState::from_config(&cfg).expect("state")
@@ -428,8 +434,11 @@ services:
         assert_eq!(l.destination_service_name.get(), Some("other"));
         assert_eq!(l.connection_security_policy, SecurityPolicy::Unknown);
         assert_eq!(l.source_principal, Principal(None));
+        // a service listing the pod among its explicit endpoints counts too
+        let (l, _) = inbound(&st, &server, peer, None, addr("10.0.0.3:7070"));
+        assert_eq!(l.destination_service_name.get(), Some("listed"));
         // a port no service maps to names no service
-        let (l, _) = inbound(&st, &server, peer, None, addr("10.0.0.3:7000"));
+        let (l, _) = inbound(&st, &server, peer, None, addr("10.0.0.3:7001"));
         assert_eq!(l.destination_service, Value::default());
     }
 
