@@ -167,9 +167,14 @@ fn a_deny_closes_open_connections_it_denies_within_a_second_and_no_other() {
         "the allowed app connection is open"
     );
 
-    // a log line per closing names the policy, and each access-log line carries the error
-    for (src, port) in [(node.client.ip, 8080), (node.outsider.ip, 8082)] {
+    // a log line per closing names the policy, and each access-log line carries the error (the
+    // app's address is the HBONE target of the mesh client, the plain destination of the other)
+    for (src, port, field) in [
+        (node.client.ip, 8080, "dst.hbone_addr"),
+        (node.outsider.ip, 8082, "dst.addr"),
+    ] {
         let dst = format!("dst.addr={}:{port}", node.server.ip);
+        let target = format!("{field}={}:{port}", node.server.ip);
         node.wait_log(
             &[
                 "no longer allowed after a policy update",
@@ -183,7 +188,7 @@ fn a_deny_closes_open_connections_it_denies_within_a_second_and_no_other() {
             &[
                 "connection complete",
                 "direction=\"inbound\"",
-                &dst,
+                &target,
                 "connection closed due to policy change: explicitly denied by: default/deny-late",
             ],
             Duration::from_secs(5),
