@@ -317,7 +317,7 @@ services:
   hostname: listed.example
   vips: ["/10.96.0.3"]
   ports: {82: 7070}
-  endpoints: {server: {workloadUid: u-server}}
+  endpoints: {u-server: {workloadUid: u-server}}
 "#;
         let cfg = crate::proxy::config::parse_local_config(yaml).expect("config");
         ProxyState::from_config(&cfg).expect("state")
