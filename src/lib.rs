@@ -9,8 +9,8 @@
 pub mod agent;
 pub mod backoff;
 pub mod lab;
-pub mod metrics;
 pub mod mesh;
+pub mod metrics;
 pub mod netns;
 pub mod nft;
 pub mod node;

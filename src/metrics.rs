@@ -40,9 +40,11 @@ pub fn register_build(registry: &mut Registry, version: &str) {
             tag: version.into(),
         })
         .set(1);
-    registry
-        .sub_registry_with_prefix("istio")
-        .register("build", "Istio component build info", build);
+    registry.sub_registry_with_prefix("istio").register(
+        "build",
+        "Istio component build info",
+        build,
+    );
 }
 
 /// The whole registry, ready to serve.
@@ -112,7 +114,10 @@ fn wants_openmetrics<'a>(accept: impl IntoIterator<Item = &'a str>) -> bool {
         .into_iter()
         .flat_map(|v| v.split(','))
         .filter_map(|m| m.split(';').next())
-        .any(|m| m.trim().eq_ignore_ascii_case("application/openmetrics-text"))
+        .any(|m| {
+            m.trim()
+                .eq_ignore_ascii_case("application/openmetrics-text")
+        })
 }
 
 /// Whether an `Accept-Encoding` list allows gzip (`gzip` or `*`, not with `q=0`).
@@ -248,7 +253,8 @@ impl Collector for ProcessCollector {
                 open as f64,
             )?;
         }
-        if let Ok((soft, _)) = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
+        if let Ok((soft, _)) =
+            nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
         {
             gauge(
                 &mut e,
@@ -324,7 +330,10 @@ mod tests {
             .find_map(|l| l.strip_prefix("process_resident_memory_bytes "))
             .and_then(|v| v.parse::<f64>().ok())
             .expect("rss");
-        assert!(rss > 1e6, "a test process has more than 1 MB resident: {rss}");
+        assert!(
+            rss > 1e6,
+            "a test process has more than 1 MB resident: {rss}"
+        );
         assert!(text.ends_with("# EOF\n"), "{text}");
     }
 

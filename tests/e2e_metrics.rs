@@ -91,7 +91,9 @@ fn parse_labels(s: &str) -> Result<(BTreeMap<String, String>, &str), String> {
         if !is_name(key, false) {
             return Err(format!("bad label name {key:?}"));
         }
-        rest = rest[eq + 1..].strip_prefix('"').ok_or("unquoted label value")?;
+        rest = rest[eq + 1..]
+            .strip_prefix('"')
+            .ok_or("unquoted label value")?;
         let mut value = String::new();
         let mut chars = rest.char_indices();
         let end = loop {
@@ -152,7 +154,9 @@ fn parse_openmetrics(text: &str) -> Vec<Sample> {
         if let Some(meta) = line.strip_prefix("# ") {
             let mut parts = meta.splitn(3, ' ');
             let kind = parts.next().unwrap_or_default();
-            let name = parts.next().unwrap_or_else(|| fail("metadata without name"));
+            let name = parts
+                .next()
+                .unwrap_or_else(|| fail("metadata without name"));
             if !is_name(name, true) {
                 fail("bad family name");
             }
@@ -172,9 +176,7 @@ fn parse_openmetrics(text: &str) -> Vec<Sample> {
                     if arg.is_none() {
                         fail("metadata without text");
                     }
-                    if kind == "UNIT"
-                        && !arg.is_some_and(|u| name.ends_with(&format!("_{u}")))
-                    {
+                    if kind == "UNIT" && !arg.is_some_and(|u| name.ends_with(&format!("_{u}"))) {
                         fail("family name does not end with its unit");
                     }
                 }
@@ -196,10 +198,14 @@ fn parse_openmetrics(text: &str) -> Vec<Sample> {
         } else {
             (BTreeMap::new(), &line[name_end..])
         };
-        let value = rest.strip_prefix(' ').unwrap_or_else(|| fail("no space before value"));
+        let value = rest
+            .strip_prefix(' ')
+            .unwrap_or_else(|| fail("no space before value"));
         // no exemplars or timestamps are emitted
         let value = parse_value(value).unwrap_or_else(|e| fail(&e));
-        let (fam, t) = family.as_ref().unwrap_or_else(|| fail("sample before any # TYPE"));
+        let (fam, t) = family
+            .as_ref()
+            .unwrap_or_else(|| fail("sample before any # TYPE"));
         let suffixes: &[&str] = match t.as_str() {
             "counter" => &["_total", "_created"],
             "histogram" | "gaugehistogram" => &["_bucket", "_count", "_sum", "_created"],
@@ -223,7 +229,9 @@ fn parse_openmetrics(text: &str) -> Vec<Sample> {
 fn series<'a>(samples: &'a [Sample], name: &str, reporter: &str) -> &'a Sample {
     let found: Vec<_> = samples
         .iter()
-        .filter(|s| s.name == name && s.labels.get("reporter").map(String::as_str) == Some(reporter))
+        .filter(|s| {
+            s.name == name && s.labels.get("reporter").map(String::as_str) == Some(reporter)
+        })
         .collect();
     assert_eq!(found.len(), 1, "{name} for {reporter}: {found:#?}");
     found[0]
@@ -255,8 +263,9 @@ fn get_raw(node: &MeshNode, headers: &str) -> (String, Vec<u8>) {
 
 #[test]
 fn a_connection_through_a_vip_is_counted_by_both_reporters_with_istios_labels() {
-    if !common::privileged("a_connection_through_a_vip_is_counted_by_both_reporters_with_istios_labels")
-    {
+    if !common::privileged(
+        "a_connection_through_a_vip_is_counted_by_both_reporters_with_istios_labels",
+    ) {
         return;
     }
     let (node, _, _) = one_connection("e2m");
@@ -307,8 +316,10 @@ fn a_connection_through_a_vip_is_counted_by_both_reporters_with_istios_labels() 
         assert_eq!(same("istio_tcp_received_bytes_total"), len);
         assert_eq!(same("istio_tcp_sent_bytes_total"), len);
         assert!(
-            !samples.iter().any(|s| s.name == "istio_tcp_connections_failed_total"
-                && s.labels.get("reporter").map(String::as_str) == Some(reporter)),
+            !samples
+                .iter()
+                .any(|s| s.name == "istio_tcp_connections_failed_total"
+                    && s.labels.get("reporter").map(String::as_str) == Some(reporter)),
             "{reporter}: nothing failed\n{text}"
         );
         let open = series(&samples, "istio_tcp_sockets_open", reporter);
@@ -347,7 +358,10 @@ fn a_connection_through_a_vip_is_counted_by_both_reporters_with_istios_labels() 
                 && s.labels.get("response_code").map(String::as_str) == Some("200")
         })
         .unwrap_or_else(|| panic!("no plugin requests in\n{text}"));
-    assert!(plugin_ok.value >= 3.0, "three pods were added: {plugin_ok:?}");
+    assert!(
+        plugin_ok.value >= 3.0,
+        "three pods were added: {plugin_ok:?}"
+    );
 
     // OpenMetrics when asked for it, gzipped when accepted
     let (head, body) = get_raw(
@@ -380,9 +394,7 @@ fn fields(line: &str, message: &str) -> Vec<(String, String)> {
         .unwrap_or_else(|| panic!("no {message:?} in {line}"));
     let mut rest = &line[at + message.len()..];
     while let Some(eq) = rest.find('=') {
-        let key_start = rest[..eq]
-            .rfind(char::is_whitespace)
-            .map_or(0, |i| i + 1);
+        let key_start = rest[..eq].rfind(char::is_whitespace).map_or(0, |i| i + 1);
         let key = rest[key_start..eq].to_owned();
         let after = &rest[eq + 1..];
         let (value, next) = match after.strip_prefix('"') {
@@ -468,7 +480,13 @@ fn the_access_log_has_ztunnels_fields_for_both_directions() {
         &["connection failed", "direction=\"inbound\"", "error="],
         Duration::from_secs(10),
     );
-    assert!(failed.contains(&format!("dst.hbone_addr={target}")), "{failed}");
+    assert!(
+        failed.contains(&format!("dst.hbone_addr={target}")),
+        "{failed}"
+    );
     assert!(failed.contains(&format!("dst.addr={hbone}")), "{failed}");
-    assert!(failed.contains(&format!("src.identity=\"{ALICE}\"")), "{failed}");
+    assert!(
+        failed.contains(&format!("src.identity=\"{ALICE}\"")),
+        "{failed}"
+    );
 }

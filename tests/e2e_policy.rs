@@ -305,7 +305,8 @@ fn deny_rules_with_empty_or_http_only_matches_deny() {
         let needle =
             format!("connection closed due to policy rejection: explicitly denied by: {policy}");
         while !node.log_text()[before..].lines().any(|l| {
-            l.contains(&needle) && l.contains(&format!("dst.hbone_addr={}:{denied}", node.server.ip))
+            l.contains(&needle)
+                && l.contains(&format!("dst.hbone_addr={}:{denied}", node.server.ip))
         }) {
             assert!(
                 Instant::now() < deadline,

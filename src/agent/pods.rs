@@ -26,8 +26,8 @@ use tokio::sync::mpsc;
 
 use serde::Serialize;
 
-use crate::agent::metrics::AgentMetrics;
 use crate::agent::enroll::{Enrollment, EnrollmentPolicy, PodOptions, PolicyError};
+use crate::agent::metrics::AgentMetrics;
 use crate::agent::proxy_link::WorkloadSink;
 use crate::agent::redirect::host::HostProbe;
 use crate::agent::redirect::{self, RedirectPlan};
@@ -341,9 +341,7 @@ impl PodManager {
         let pending = table.pods.values().filter(|p| p.pending).count();
         let count = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
         self.metrics.pending.set(count(pending));
-        self.metrics
-            .enrolled
-            .set(count(table.pods.len() - pending));
+        self.metrics.enrolled.set(count(table.pods.len() - pending));
         let snapshot = self.store.get().map(|_| {
             let mut records: Vec<PodRecord> =
                 table.pods.values().map(EnrolledPod::record).collect();

@@ -226,7 +226,9 @@ mod tests {
                 RedirectPlan::default(),
             ))),
             ready,
-            metrics: Arc::new(Exposition::new(prometheus_client::registry::Registry::default())),
+            metrics: Arc::new(Exposition::new(
+                prometheus_client::registry::Registry::default(),
+            )),
         }
     }
 

@@ -180,7 +180,12 @@ impl ConnectionLog {
 
     /// Logs "connection failed" (warn) for a connection that never carried data, and counts it
     /// (opened, closed and failed, with `flags`).
-    pub fn failed(mut self, metrics: &Metrics, flags: ResponseFlags, error: &dyn std::fmt::Display) {
+    pub fn failed(
+        mut self,
+        metrics: &Metrics,
+        flags: ResponseFlags,
+        error: &dyn std::fmt::Display,
+    ) {
         self.opened(metrics);
         self.0.labels.response_flags = match flags {
             ResponseFlags::None => ResponseFlags::Connect,
@@ -245,7 +250,6 @@ impl Fields {
     }
 }
 
-
 /// `(bytes_sent, bytes_recv)` of the access log for a connection in `direction` (unflipped: what
 /// the proxy sent towards, and received from, its remote side).
 fn proxy_view(bytes: ByteCounts, direction: Direction) -> (u64, u64) {
@@ -292,7 +296,10 @@ pub(crate) mod tests {
         let m = Metrics::default();
         let log = opened(&m, Direction::Inbound);
         let text = m.render();
-        assert!(text.contains("istio_tcp_sockets_open{reporter=\"destination\"} 1\n"), "{text}");
+        assert!(
+            text.contains("istio_tcp_sockets_open{reporter=\"destination\"} 1\n"),
+            "{text}"
+        );
         log.finish(
             &m,
             ByteCounts {
@@ -318,7 +325,10 @@ pub(crate) mod tests {
             counter(&text, "istio_tcp_connections_failed_total", "destination"),
             0
         );
-        assert!(text.contains("istio_tcp_sockets_open{reporter=\"destination\"} 0\n"), "{text}");
+        assert!(
+            text.contains("istio_tcp_sockets_open{reporter=\"destination\"} 0\n"),
+            "{text}"
+        );
         assert!(text.ends_with("# EOF\n"), "{text}");
     }
 
@@ -326,7 +336,8 @@ pub(crate) mod tests {
     fn a_failure_is_counted_opened_closed_and_failed_with_its_flag() {
         let m = Metrics::default();
         let log = ConnectionLog::new(Direction::Inbound, addr("10.0.0.1:5"), addr("10.0.0.2:80"));
-        let ((), logs) = capture_logs(|| log.failed(&m, ResponseFlags::Denied, &"denied by policy"));
+        let ((), logs) =
+            capture_logs(|| log.failed(&m, ResponseFlags::Denied, &"denied by policy"));
         let text = m.render();
         for name in [
             "istio_tcp_connections_opened_total",
@@ -345,7 +356,10 @@ pub(crate) mod tests {
         let m = Metrics::default();
         drop(opened(&m, Direction::Outbound));
         let text = m.render();
-        assert!(text.contains("istio_tcp_sockets_open{reporter=\"source\"} 0\n"), "{text}");
+        assert!(
+            text.contains("istio_tcp_sockets_open{reporter=\"source\"} 0\n"),
+            "{text}"
+        );
     }
 
     /// The fields ztunnel logs, in its order, with their values: workload names, namespaces,
@@ -362,8 +376,12 @@ services:
 "#;
         let cfg = crate::proxy::config::parse_local_config(yaml).expect("config");
         let st = crate::proxy::state::ProxyState::from_config(&cfg).expect("state");
-        let src = st.workload_by_ip("10.0.0.1".parse().expect("ip")).expect("src");
-        let dst = st.workload_by_ip("10.0.0.2".parse().expect("ip")).expect("dst");
+        let src = st
+            .workload_by_ip("10.0.0.1".parse().expect("ip"))
+            .expect("src");
+        let dst = st
+            .workload_by_ip("10.0.0.2".parse().expect("ip"))
+            .expect("dst");
         let route = crate::proxy::route::Route {
             target: addr("10.0.0.2:8080"),
             hbone: Some(crate::proxy::route::Hbone {
@@ -381,7 +399,11 @@ services:
             &route,
         );
         let m = Metrics::default();
-        let mut log = ConnectionLog::new(Direction::Outbound, addr("10.0.0.1:5"), addr("10.96.0.1:80"));
+        let mut log = ConnectionLog::new(
+            Direction::Outbound,
+            addr("10.0.0.1:5"),
+            addr("10.96.0.1:80"),
+        );
         log.describe(labels, Some(&src), dest.as_deref());
         log.set_dst(addr("10.0.0.2:15008"));
         log.set_hbone_target(addr("10.0.0.2:8080"));
@@ -395,7 +417,10 @@ services:
                 None,
             )
         });
-        let line = logs.lines().find(|l| l.contains("connection complete")).expect("line");
+        let line = logs
+            .lines()
+            .find(|l| l.contains("connection complete"))
+            .expect("line");
         let want = "src.addr=10.0.0.1:5 src.workload=\"client-pod\" src.namespace=\"ns1\" \
                     src.identity=\"spiffe://cluster.local/ns/ns1/sa/alice\" \
                     dst.addr=10.0.0.2:15008 dst.hbone_addr=10.0.0.2:8080 \

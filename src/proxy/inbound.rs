@@ -205,7 +205,13 @@ async fn stream_setup(
     } = ends;
     let metrics = &pod.ctx.metrics;
     let mut log = ConnectionLog::new(Direction::Inbound, peer, local);
-    describe(&pod, &mut log, peer, peer_id.as_ref(), *target.as_ref().unwrap_or(&local));
+    describe(
+        &pod,
+        &mut log,
+        peer,
+        peer_id.as_ref(),
+        *target.as_ref().unwrap_or(&local),
+    );
     let target = match target {
         Ok(t) => t,
         Err(e) => {
@@ -225,7 +231,11 @@ async fn stream_setup(
     let registration = pod.live.register(&conn);
     if let Err(denied) = authorize(&pod, &conn) {
         refuse(&mut respond, StatusCode::UNAUTHORIZED);
-        log.failed(metrics, ResponseFlags::Denied, &InboundError::Policy(denied));
+        log.failed(
+            metrics,
+            ResponseFlags::Denied,
+            &InboundError::Policy(denied),
+        );
         return None;
     }
     let upstream = match pod
@@ -329,14 +339,22 @@ async fn plaintext_setup(
     let mut log = ConnectionLog::new(Direction::Inbound, peer, dst);
     describe(&pod, &mut log, peer, None, dst);
     if NEVER_TARGET_PORTS.contains(&dst.port()) {
-        log.failed(metrics, ResponseFlags::Connect, &InboundError::IllegalPort(dst.port()));
+        log.failed(
+            metrics,
+            ResponseFlags::Connect,
+            &InboundError::IllegalPort(dst.port()),
+        );
         socket::reset(tcp);
         return None;
     }
     // Only the pod itself is a valid target: never relay to other addresses (no open proxy).
     if !pod.ips.contains(&dst.ip()) {
         let own = pod.ips.first().copied().unwrap_or(dst.ip());
-        log.failed(metrics, ResponseFlags::Connect, &InboundError::IpMismatch(dst.ip(), own));
+        log.failed(
+            metrics,
+            ResponseFlags::Connect,
+            &InboundError::IpMismatch(dst.ip(), own),
+        );
         socket::reset(tcp);
         return None;
     }
@@ -348,7 +366,11 @@ async fn plaintext_setup(
     };
     let registration = pod.live.register(&conn);
     if let Err(denied) = authorize(&pod, &conn) {
-        log.failed(metrics, ResponseFlags::Denied, &InboundError::Policy(denied));
+        log.failed(
+            metrics,
+            ResponseFlags::Denied,
+            &InboundError::Policy(denied),
+        );
         socket::reset(tcp);
         return None;
     }

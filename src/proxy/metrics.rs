@@ -163,11 +163,9 @@ impl Metrics {
     /// returns (to decrement when the connection is gone).
     pub fn connection_opened(&self, labels: &TrafficLabels) -> Gauge {
         self.opened.get_or_create(labels).inc();
-        let socket = self
-            .sockets_open
-            .get_or_create_owned(&SocketLabels {
-                reporter: labels.reporter,
-            });
+        let socket = self.sockets_open.get_or_create_owned(&SocketLabels {
+            reporter: labels.reporter,
+        });
         socket.inc();
         socket
     }
@@ -177,7 +175,9 @@ impl Metrics {
     /// `response_flags` say so).
     pub fn connection_closed(&self, labels: &TrafficLabels, bytes: ByteCounts) {
         self.closed.get_or_create(labels).inc();
-        self.sent.get_or_create(labels).inc_by(bytes.server_to_client);
+        self.sent
+            .get_or_create(labels)
+            .inc_by(bytes.server_to_client);
         self.received
             .get_or_create(labels)
             .inc_by(bytes.client_to_server);

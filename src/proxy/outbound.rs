@@ -100,7 +100,11 @@ async fn setup(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) -> Option
     if NEVER_TARGET_PORTS.contains(&dst.port())
         && (dst.ip().is_loopback() || pod.ips.contains(&dst.ip()))
     {
-        log.failed(metrics, ResponseFlags::Connect, &OutboundError::SelfCall(dst));
+        log.failed(
+            metrics,
+            ResponseFlags::Connect,
+            &OutboundError::SelfCall(dst),
+        );
         crate::proxy::socket::reset(tcp);
         return None;
     }

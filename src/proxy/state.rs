@@ -447,7 +447,13 @@ impl ProxyState {
             .services
             .keys()
             .filter_map(|k| self.service_by_key(k))
-            .chain(self.by_endpoint_uid.get(&w.uid).into_iter().flatten().cloned())
+            .chain(
+                self.by_endpoint_uid
+                    .get(&w.uid)
+                    .into_iter()
+                    .flatten()
+                    .cloned(),
+            )
             .collect();
         v.sort_by(|a, b| (&a.namespace, &a.hostname).cmp(&(&b.namespace, &b.hostname)));
         v.dedup_by(|a, b| Arc::ptr_eq(a, b));

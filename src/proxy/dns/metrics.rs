@@ -15,8 +15,6 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::{Registry, Unit};
 
-use crate::proxy::metrics::labels::Value;
-
 /// Upper bounds of the duration histogram's buckets, in seconds (ztunnel's, sorted).
 pub const BUCKETS: [f64; 6] = [0.0005, 0.001, 0.01, 0.1, 1.0, 5.0];
 
@@ -54,13 +52,26 @@ pub struct DnsLabels {
 
 impl EncodeLabelSet for DnsLabels {
     fn encode(&self, encoder: &mut LabelSetEncoder) -> Result<(), std::fmt::Error> {
-        ("request_query_type", Value::new(&self.query_type)).encode(encoder.encode_label())?;
-        ("request_protocol", self.protocol.as_str()).encode(encoder.encode_label())?;
-        ("source_canonical_service", Value::new(&self.canonical_service))
-            .encode(encoder.encode_label())?;
-        ("source_canonical_revision", Value::new(&self.canonical_revision))
-            .encode(encoder.encode_label())
+        for (k, v) in [
+            ("request_query_type", or_unknown(&self.query_type)),
+            ("request_protocol", self.protocol.as_str()),
+            (
+                "source_canonical_service",
+                or_unknown(&self.canonical_service),
+            ),
+            (
+                "source_canonical_revision",
+                or_unknown(&self.canonical_revision),
+            ),
+        ] {
+            (k, v).encode(encoder.encode_label())?;
+        }
+        Ok(())
     }
+}
+
+fn or_unknown(s: &str) -> &str {
+    if s.is_empty() { "unknown" } else { s }
 }
 
 type DurationFamily = Family<DnsLabels, Histogram, fn() -> Histogram>;
@@ -168,7 +179,10 @@ mod tests {
         );
         assert!(text.contains(&format!("istio_dns_upstream_requests_total{{{srv}}} 1\n")));
         assert!(!text.contains(&format!("istio_dns_upstream_requests_total{{{a}}}")));
-        assert!(!text.contains("istio_dns_upstream_failures"), "nothing failed: {text}");
+        assert!(
+            !text.contains("istio_dns_upstream_failures"),
+            "nothing failed: {text}"
+        );
         let h = "istio_dns_upstream_request_duration_seconds";
         assert!(
             text.contains(&format!("{h}_bucket{{le=\"0.001\",{srv}}} 0\n")),

@@ -345,8 +345,12 @@ services:
     #[test]
     fn outbound_through_a_vip_names_both_workloads_the_service_and_mtls() {
         let st = state();
-        let client = st.workload_by_ip("10.0.0.2".parse().expect("ip")).expect("client");
-        let server = st.workload_by_ip("10.0.0.3".parse().expect("ip")).expect("server");
+        let client = st
+            .workload_by_ip("10.0.0.2".parse().expect("ip"))
+            .expect("client");
+        let server = st
+            .workload_by_ip("10.0.0.3".parse().expect("ip"))
+            .expect("server");
         let route = Route {
             target: addr("10.0.0.3:8080"),
             hbone: Some(Hbone {
@@ -356,7 +360,13 @@ services:
                 service_host: Some("svc.example".into()),
             }),
         };
-        let (l, dest) = outbound(&st, &client, &client.identity(), addr("10.96.0.1:80"), &route);
+        let (l, dest) = outbound(
+            &st,
+            &client,
+            &client.identity(),
+            addr("10.96.0.1:80"),
+            &route,
+        );
         assert_eq!(dest.as_deref(), Some(&*server));
         assert_eq!(
             text(&l),
@@ -379,7 +389,9 @@ services:
     #[test]
     fn plain_tcp_to_an_unknown_address_has_no_principals_and_unknown_security() {
         let st = state();
-        let client = st.workload_by_ip("10.0.0.2".parse().expect("ip")).expect("client");
+        let client = st
+            .workload_by_ip("10.0.0.2".parse().expect("ip"))
+            .expect("client");
         let route = Route {
             target: addr("192.0.2.1:443"),
             hbone: None,
@@ -398,7 +410,9 @@ services:
     #[test]
     fn a_local_pod_without_a_record_is_named_by_the_identity_it_must_prove() {
         let st = state();
-        let client = st.workload_by_ip("10.0.0.2".parse().expect("ip")).expect("client");
+        let client = st
+            .workload_by_ip("10.0.0.2".parse().expect("ip"))
+            .expect("client");
         let carol = Identity::new("cluster.local", "x", "carol");
         let route = Route {
             target: addr("10.0.0.9:80"),
@@ -417,7 +431,9 @@ services:
     #[test]
     fn inbound_takes_the_service_from_the_target_port_and_the_principal_from_the_peer() {
         let st = state();
-        let server = st.workload_by_ip("10.0.0.3".parse().expect("ip")).expect("server");
+        let server = st
+            .workload_by_ip("10.0.0.3".parse().expect("ip"))
+            .expect("server");
         let alice = Identity::new("cluster.local", "default", "alice");
         let peer = addr("10.0.0.2:40000");
         let (l, src) = inbound(&st, &server, peer, Some(&alice), addr("10.0.0.3:8080"));
@@ -445,7 +461,9 @@ services:
     #[test]
     fn a_source_unknown_to_the_state_is_unknown_but_keeps_its_proven_principal() {
         let st = state();
-        let server = st.workload_by_ip("10.0.0.3".parse().expect("ip")).expect("server");
+        let server = st
+            .workload_by_ip("10.0.0.3".parse().expect("ip"))
+            .expect("server");
         let mallory = Identity::new("cluster.local", "evil", "mallory");
         let (l, src) = inbound(
             &st,

@@ -253,9 +253,7 @@ impl XdsClient {
             let address = self.cfg.endpoint.address.to_string();
             let reason = match &result {
                 Err(XdsError::Closed) => TerminationReason::Complete,
-                Err(XdsError::Open(_) | XdsError::Control(_)) => {
-                    TerminationReason::ConnectionError
-                }
+                Err(XdsError::Open(_) | XdsError::Control(_)) => TerminationReason::ConnectionError,
                 _ => TerminationReason::Error,
             };
             self.cfg.metrics.terminated(reason);

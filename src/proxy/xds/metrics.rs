@@ -74,4 +74,3 @@ impl XdsMetrics {
             .inc();
     }
 }
-
