@@ -16,6 +16,7 @@
 //! `bytes_recv` what came back from it (the counters flip it, see [`crate::proxy::metrics`]).
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Instant;
 
 use prometheus_client::metrics::gauge::Gauge;
@@ -58,12 +59,13 @@ pub struct ConnectionLog(Box<Record>);
 
 #[derive(Debug)]
 struct Record {
-    labels: TrafficLabels,
+    /// Shared with every connection of the same labels ([`Metrics::intern`]).
+    labels: Arc<TrafficLabels>,
     src: SocketAddr,
-    src_workload: Option<String>,
+    src_workload: Option<Arc<Workload>>,
     dst: SocketAddr,
     hbone_addr: Option<SocketAddr>,
-    dst_workload: Option<String>,
+    dst_workload: Option<Arc<Workload>>,
     start: Instant,
     /// The `istio_tcp_sockets_open` series, once counted as opened.
     socket: Option<Gauge>,
@@ -71,9 +73,10 @@ struct Record {
 
 /// What the access log names a workload: its pod name, else its canonical service.
 fn workload_name(w: Option<&Workload>, labels_service: Option<&str>) -> Option<String> {
-    w.map(|w| w.name.clone())
+    w.map(|w| w.name.as_str())
         .filter(|n| !n.is_empty())
-        .or(labels_service.map(str::to_owned))
+        .or(labels_service)
+        .map(str::to_owned)
 }
 
 impl ConnectionLog {
@@ -81,7 +84,7 @@ impl ConnectionLog {
     /// [`ConnectionLog::opened`]).
     pub fn new(direction: Direction, src: SocketAddr, dst: SocketAddr) -> ConnectionLog {
         ConnectionLog(Box::new(Record {
-            labels: TrafficLabels::new(direction, false),
+            labels: Arc::new(TrafficLabels::new(direction, false)),
             src,
             src_workload: None,
             dst,
@@ -92,17 +95,27 @@ impl ConnectionLog {
         }))
     }
 
-    /// Sets the labels, and the source and destination workloads the log names.
+    /// Sets the labels (interned in `metrics`), and the source and destination workloads the log
+    /// names.
     pub fn describe(
         &mut self,
+        metrics: &Metrics,
         labels: TrafficLabels,
-        src: Option<&Workload>,
-        dst: Option<&Workload>,
+        src: Option<Arc<Workload>>,
+        dst: Option<Arc<Workload>>,
     ) {
         let r = &mut *self.0;
-        r.src_workload = workload_name(src, labels.source_canonical_service.get());
-        r.dst_workload = workload_name(dst, labels.destination_canonical_service.get());
-        r.labels = labels;
+        r.labels = metrics.intern(labels);
+        r.src_workload = src;
+        r.dst_workload = dst;
+    }
+
+    fn set_flags(&mut self, flags: ResponseFlags) {
+        if self.0.labels.response_flags != flags {
+            let mut l = TrafficLabels::clone(&self.0.labels);
+            l.response_flags = flags;
+            self.0.labels = Arc::new(l);
+        }
     }
 
     /// The labels so far.
@@ -143,7 +156,7 @@ impl ConnectionLog {
     ) {
         self.opened(metrics);
         if error.is_some() {
-            self.0.labels.response_flags = ResponseFlags::Connect;
+            self.set_flags(ResponseFlags::Connect);
         }
         metrics.connection_closed(&self.0.labels, bytes);
         let enabled = match error {
@@ -187,10 +200,10 @@ impl ConnectionLog {
         error: &dyn std::fmt::Display,
     ) {
         self.opened(metrics);
-        self.0.labels.response_flags = match flags {
+        self.set_flags(match flags {
             ResponseFlags::None => ResponseFlags::Connect,
             f => f,
-        };
+        });
         metrics.connection_closed(&self.0.labels, ByteCounts::default());
         if !tracing::enabled!(target: "access", tracing::Level::WARN) {
             return;
@@ -234,14 +247,20 @@ impl Fields {
         let own = |v: &crate::proxy::metrics::labels::Value| v.get().map(str::to_owned);
         Fields {
             src_addr: r.src,
-            src_workload: r.src_workload.clone(),
+            src_workload: workload_name(
+                r.src_workload.as_deref(),
+                l.source_canonical_service.get(),
+            ),
             src_namespace: own(&l.source_workload_namespace),
             src_identity: id(&l.source_principal.0),
             src_cluster: own(&l.source_cluster),
             dst_addr: r.dst,
             dst_hbone_addr: r.hbone_addr,
             dst_service: own(&l.destination_service),
-            dst_workload: r.dst_workload.clone(),
+            dst_workload: workload_name(
+                r.dst_workload.as_deref(),
+                l.destination_canonical_service.get(),
+            ),
             dst_namespace: own(&l.destination_workload_namespace),
             dst_identity: id(&l.destination_principal.0),
             dst_cluster: own(&l.destination_cluster),
@@ -404,7 +423,7 @@ services:
             addr("10.0.0.1:5"),
             addr("10.96.0.1:80"),
         );
-        log.describe(labels, Some(&src), dest.as_deref());
+        log.describe(&m, labels, Some(src.clone()), dest);
         log.set_dst(addr("10.0.0.2:15008"));
         log.set_hbone_target(addr("10.0.0.2:8080"));
         let ((), logs) = capture_logs(|| {

@@ -276,7 +276,7 @@ fn describe(
     let state = pod.ctx.state.load();
     let dest = pod.current_workload(&state);
     let (labels, src) = labels::inbound(&state, &dest, peer, peer_id, target);
-    log.describe(labels, src.as_deref(), Some(&dest));
+    log.describe(&pod.ctx.metrics, labels, src, Some(dest));
 }
 
 /// [`authz::check`] against the current state, for this pod's workload as the state has it now

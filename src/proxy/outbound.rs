@@ -119,7 +119,7 @@ async fn setup(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) -> Option
                 hbone: None,
             };
             let (labels, _) = labels::outbound(&state, &src, &pod.identity, dst, &none);
-            log.describe(labels, Some(&src), None);
+            log.describe(metrics, labels, Some(src.clone()), None);
             log.failed(metrics, ResponseFlags::Connect, &OutboundError::Route(e));
             crate::proxy::socket::reset(tcp);
             return None;
@@ -130,8 +130,8 @@ async fn setup(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) -> Option
         route.hbone = pod.local_hbone(&state, route.target);
     }
     let (labels, dest) = labels::outbound(&state, &src, &pod.identity, dst, &route);
-    log.describe(labels, Some(&src), dest.as_deref());
-    drop((state, src, dest));
+    log.describe(metrics, labels, Some(src), dest);
+    drop(state);
     let target = route.target;
     match &route.hbone {
         Some(h) => {
