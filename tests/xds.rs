@@ -46,6 +46,7 @@ struct Fixture {
     _ns: ScratchNetns,
     state: StateHandle,
     ready: Readiness,
+    metrics: std::sync::Arc<ztnode::proxy::xds::metrics::XdsMetrics>,
     _dir: tempfile::TempDir,
 }
 
@@ -137,18 +138,16 @@ impl Fixture {
         });
         let state = StateHandle::new(ProxyState::default());
         let ready = Readiness::new();
-        let client = ClientThread::start(
-            &ns.netns,
-            XdsConfig::new(endpoint, auth, node),
-            state.clone(),
-            &ready,
-        );
+        let cfg = XdsConfig::new(endpoint, auth, node);
+        let metrics = cfg.metrics.clone();
+        let client = ClientThread::start(&ns.netns, cfg, state.clone(), &ready);
         Some(Fixture {
             _client: client,
             istiod,
             _ns: ns,
             state,
             ready,
+            metrics,
             _dir: dir,
         })
     }
@@ -172,6 +171,22 @@ impl Fixture {
             );
             std::thread::sleep(Duration::from_millis(5));
         }
+    }
+
+    /// The client's `istio_xds_*` metrics as text: `(series, value)` pairs.
+    fn metrics(&self) -> Vec<(String, u64)> {
+        let mut registry = prometheus_client::registry::Registry::default();
+        self.metrics
+            .register(registry.sub_registry_with_prefix("istio"));
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).expect("encode");
+        text.lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter_map(|l| {
+                let (series, v) = l.rsplit_once(' ')?;
+                Some((series.to_owned(), v.parse().ok()?))
+            })
+            .collect()
     }
 
     /// Waits for the world of examples/world.yaml in the state.
@@ -281,6 +296,20 @@ fn initial_sync_is_acked_with_each_nonce_and_makes_the_client_ready() {
         .collect();
     policies.sort();
     assert_eq!(policies, ["app/allow-client", "app/deny-9999"]);
+
+    // ztunnel's message counters, by type URL
+    let metrics = f.metrics();
+    for url in [ADDRESS, AUTHORIZATION] {
+        let value = |name: &str| {
+            metrics
+                .iter()
+                .find(|(s, _)| *s == format!("{name}{{url=\"{url}\"}}"))
+                .map(|(_, v)| *v)
+                .unwrap_or_else(|| panic!("no {name} for {url}: {metrics:?}"))
+        };
+        assert!(value("istio_xds_message_total") >= 1, "{metrics:?}");
+        assert!(value("istio_xds_message_bytes_total") > 0, "{metrics:?}");
+    }
 
     // Both initial requests are wildcards with no held versions; the node went on the first.
     let initial: Vec<Value> = f
@@ -467,6 +496,17 @@ fn reconnects_and_a_restarted_server_resync_with_the_held_versions() {
     let since = f.last_seq();
     f.post("/disconnect", json!({}));
     let initial = f.initial_after(since, ADDRESS);
+    let ended: u64 = f
+        .metrics()
+        .iter()
+        .filter(|(s, _)| s.starts_with("istio_xds_connection_terminations_total{reason="))
+        .map(|(_, v)| v)
+        .sum();
+    assert!(
+        ended >= 1,
+        "the dropped stream is counted: {:?}",
+        f.metrics()
+    );
     let mut announced: Vec<String> = initial["initial_resource_versions"]
         .as_object()
         .expect("initial_resource_versions")
