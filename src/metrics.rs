@@ -3,8 +3,8 @@
 //!
 //! The roles register their families into one prometheus-client [`Registry`] (the proxy's
 //! `istio_tcp_*`, `istio_dns_*`, `istio_xds_*`, `workload_manager_*`; the agent's), this module
-//! adds `istio_build{component="ztunnel",tag=<version>}` and the `process_*` figures
-//! ([`ProcessCollector`], read from `/proc/self` at each scrape), and [`Exposition::answer`]
+//! adds `istio_build{component="ztunnel",tag=<version>}`, the `process_*` figures and the
+//! allocator's ([`ProcessCollector`], read from `/proc/self` and mimalloc at each scrape), and [`Exposition::answer`]
 //! renders the OpenMetrics text (ending `# EOF`). The content type is
 //! `application/openmetrics-text; version=1.0.0; charset=utf-8` when the `Accept` header asks for
 //! OpenMetrics, else `text/plain; charset=utf-8` (as ztunnel); the body is gzipped when
@@ -147,7 +147,8 @@ fn gzip(data: &[u8]) -> Option<Vec<u8>> {
 /// The Prometheus process figures of this process, read from procfs at each scrape:
 /// `process_resident_memory_bytes`, `process_virtual_memory_bytes`, `process_open_fds`,
 /// `process_max_fds`, `process_threads`, `process_cpu_seconds_total` and
-/// `process_start_time_seconds`. A figure that cannot be read is left out.
+/// `process_start_time_seconds`, and the allocator's `ztnode_allocator_committed_bytes` and
+/// `ztnode_allocator_peak_committed_bytes`. A figure that cannot be read is left out.
 #[derive(Debug)]
 pub struct ProcessCollector;
 
@@ -253,6 +254,21 @@ impl Collector for ProcessCollector {
                 open as f64,
             )?;
         }
+        let (committed, peak) = allocator_commit();
+        gauge(
+            &mut e,
+            "ztnode_allocator_committed",
+            "Memory the allocator (mimalloc) holds committed, in bytes",
+            Some(&Unit::Bytes),
+            committed as f64,
+        )?;
+        gauge(
+            &mut e,
+            "ztnode_allocator_peak_committed",
+            "Peak of the memory the allocator (mimalloc) held committed, in bytes",
+            Some(&Unit::Bytes),
+            peak as f64,
+        )?;
         if let Ok((soft, _)) =
             nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
         {
@@ -266,6 +282,38 @@ impl Collector for ProcessCollector {
         }
         Ok(())
     }
+}
+
+/// mimalloc's committed memory now and at its peak (`mi_process_info`; on Linux its estimate of
+/// the read/write memory it reserved), in bytes.
+#[allow(unsafe_code)]
+fn allocator_commit() -> (usize, usize) {
+    let mut v = [0usize; 8];
+    let [
+        elapsed,
+        user,
+        system,
+        rss,
+        peak_rss,
+        commit,
+        peak_commit,
+        faults,
+    ] = &mut v;
+    // SAFETY: every argument points to a distinct, live, writable usize; mi_process_info only
+    // writes through them and may be called from any thread.
+    unsafe {
+        libmimalloc_sys::mi_process_info(
+            elapsed,
+            user,
+            system,
+            rss,
+            peak_rss,
+            commit,
+            peak_commit,
+            faults,
+        )
+    };
+    (v[5], v[6])
 }
 
 /// Boot time in seconds since the epoch (`btime` of `/proc/stat`).
@@ -317,6 +365,8 @@ mod tests {
             "process_start_time_seconds ",
             "process_open_fds ",
             "process_max_fds ",
+            "ztnode_allocator_committed_bytes ",
+            "ztnode_allocator_peak_committed_bytes ",
         ] {
             let line = text
                 .lines()

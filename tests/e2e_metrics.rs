@@ -351,6 +351,8 @@ fn a_connection_through_a_vip_is_counted_by_both_reporters_with_istios_labels() 
     assert!(one("process_resident_memory_bytes") > 1e6);
     assert!(one("process_open_fds") > 0.0);
     assert!(one("process_threads") >= 1.0);
+    // the binary allocates with mimalloc: what it holds is visible
+    assert!(one("ztnode_allocator_committed_bytes") > 0.0);
     let plugin_ok = samples
         .iter()
         .find(|s| {
