@@ -110,7 +110,8 @@ impl ConnectionLog {
         r.dst_workload = dst;
     }
 
-    fn set_flags(&mut self, flags: ResponseFlags) {
+    /// Sets the `response_flags` the connection ends with (see [`ConnectionLog::finish`]).
+    pub fn set_flags(&mut self, flags: ResponseFlags) {
         if self.0.labels.response_flags != flags {
             let mut l = TrafficLabels::clone(&self.0.labels);
             l.response_flags = flags;
@@ -146,7 +147,7 @@ impl ConnectionLog {
     }
 
     /// Logs "connection complete" (info) or, with `error`, the same at error level with
-    /// `response_flags` `CONNECT`, and counts it (byte counters flipped, log fields unflipped;
+    /// `response_flags` `CONNECT` (unless [`ConnectionLog::set_flags`] set others), and counts it (byte counters flipped, log fields unflipped;
     /// see the module docs).
     pub fn finish(
         mut self,
@@ -155,7 +156,7 @@ impl ConnectionLog {
         error: Option<&dyn std::fmt::Display>,
     ) {
         self.opened(metrics);
-        if error.is_some() {
+        if error.is_some() && self.0.labels.response_flags == ResponseFlags::None {
             self.set_flags(ResponseFlags::Connect);
         }
         metrics.connection_closed(&self.0.labels, bytes);

@@ -22,7 +22,9 @@ use futures::future::OptionFuture;
 
 use crate::proxy::accesslog::ConnectionLog;
 use crate::proxy::copy::{CopyError, Transferred};
+use crate::proxy::live::LateRejection;
 use crate::proxy::metrics::ByteCounts;
+use crate::proxy::metrics::labels::ResponseFlags;
 use crate::proxy::pod::ProxyContext;
 
 /// A relay whose end is logged and counted (`finish` on the connection's [`ConnectionLog`]), once:
@@ -84,6 +86,11 @@ where
             match result {
                 Ok(t) => log.finish(metrics, counts(t), None),
                 Err(CopyError { error, transferred }) => {
+                    let mut log = log;
+                    if error.get_ref().is_some_and(|e| e.is::<LateRejection>()) {
+                        // closed because a policy now denies it (ztunnel's late rejection)
+                        log.set_flags(ResponseFlags::Denied);
+                    }
                     log.finish(metrics, counts(transferred), Some(&RelayError(error)))
                 }
             }
@@ -206,6 +213,28 @@ mod tests {
         assert_eq!(
             counter(&text, "istio_tcp_sent_bytes_total", "source"),
             12,
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_relay_closed_by_a_policy_change_is_counted_denied() {
+        let ctx = ctx();
+        let denied = crate::proxy::authz::Denied::NotAllowed;
+        let closed: ClientSide<Outcome> = Logged::new(
+            ctx.clone(),
+            log(&ctx, Direction::Inbound),
+            ready(Err(CopyError {
+                error: io::Error::other(LateRejection(denied)),
+                transferred: Transferred::default(),
+            })),
+        );
+        assert_eq!(run(ready(Some(closed))).now_or_never(), Some(()));
+        let text = ctx.metrics.render();
+        assert!(text.contains("response_flags=\"DENY\""), "{text}");
+        assert_eq!(
+            counter(&text, "istio_tcp_connections_failed_total", "destination"),
+            1,
             "{text}"
         );
     }
