@@ -520,6 +520,7 @@ fn proxy_config(
             resolv_conf: p.dns_resolv_conf.clone(),
             cluster_domain: p.cluster_domain.clone(),
         },
+        trust_domain: env.trust_domain.clone(),
     }
 }
 

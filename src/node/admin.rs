@@ -188,6 +188,7 @@ mod tests {
             local: Default::default(),
             pool: crate::proxy::pool::PoolConfig::default(),
             dns: None,
+            trust_domain: "cluster.local".into(),
         });
         let (zds, _rx) = crate::zds::in_process();
         let policy: Arc<dyn crate::agent::enroll::EnrollmentPolicy> =

@@ -55,6 +55,7 @@ async fn harness(upstream: Vec<SocketAddr>) -> Harness {
         pool: crate::proxy::pool::PoolConfig::default(),
         local: Default::default(),
         dns: Some(dns.clone()),
+        trust_domain: "cluster.local".into(),
     });
     let sockets =
         PodSockets::new(&Netns::current().expect("netns"), PacketMark::DEFAULT).expect("sockets");
