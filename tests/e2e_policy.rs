@@ -181,7 +181,7 @@ fn a_deny_closes_open_connections_it_denies_within_a_second_and_no_other() {
             ],
             Duration::from_secs(5),
         );
-        node.wait_log(
+        let line = node.wait_log(
             &[
                 "connection complete",
                 "direction=\"inbound\"",
@@ -190,6 +190,10 @@ fn a_deny_closes_open_connections_it_denies_within_a_second_and_no_other() {
             ],
             Duration::from_secs(5),
         );
+        // what moved before the closing is counted (the 11-byte ping and its echo)
+        for field in ["bytes_sent=11", "bytes_recv=11"] {
+            assert!(line.contains(field), "{field} expected: {line}");
+        }
     }
     assert!(
         !node
