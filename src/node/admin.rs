@@ -228,7 +228,7 @@ mod tests {
     use crate::proxy::pod::ProxyContext;
     use crate::proxy::state::ProxyState;
 
-    fn admin(ready: Readiness) -> Admin {
+    pub(crate) fn admin(ready: Readiness) -> Admin {
         let state = StateHandle::new(ProxyState::default());
         let ca = Ca::load_or_generate(None).expect("CA");
         let ctx = Arc::new(ProxyContext {
@@ -298,5 +298,45 @@ mod tests {
             get(&a, Kind::Admin, "/healthz/ready").await.0,
             StatusCode::NOT_FOUND
         );
+    }
+
+    async fn call(admin: &Admin, method: &str, path: &str) -> (StatusCode, String) {
+        let req = Request::builder()
+            .method(method)
+            .uri(path)
+            .body(())
+            .expect("request");
+        let resp = handle(admin, Kind::Admin, req).expect("infallible");
+        let status = resp.status();
+        let body = resp.into_body().collect().await.expect("body").to_bytes();
+        (status, String::from_utf8_lossy(&body).into_owned())
+    }
+
+    #[tokio::test]
+    async fn admin_lists_its_endpoints_quits_on_post_and_says_profiling_is_not_built_in() {
+        let a = admin(Readiness::new());
+        let (code, index) = call(&a, "GET", "/").await;
+        assert_eq!(code, StatusCode::OK);
+        for (path, _) in ADMIN_ENDPOINTS {
+            assert!(index.contains(&format!("href=\"{path}\"")), "{index}");
+        }
+        for p in ["/debug/pprof/profile", "/debug/pprof/heap"] {
+            assert_eq!(call(&a, "GET", p).await.0, StatusCode::NOT_IMPLEMENTED);
+        }
+        let quit = a.quit.subscribe();
+        assert_eq!(call(&a, "GET", "/quitquitquit").await.0, StatusCode::METHOD_NOT_ALLOWED);
+        assert!(!*quit.borrow());
+        assert_eq!(
+            call(&a, "POST", "/quitquitquit").await,
+            (StatusCode::OK, "shutdown now\n".to_owned())
+        );
+        assert!(*quit.borrow());
+        assert_eq!(call(&a, "GET", "/nope").await.0, StatusCode::NOT_FOUND);
+        assert_eq!(call(&a, "PUT", "/logging").await.0, StatusCode::METHOD_NOT_ALLOWED);
+        let (code, body) = call(&a, "POST", "/logging?level=loud").await;
+        assert_eq!(code, StatusCode::BAD_REQUEST);
+        assert!(body.contains("Invalid level provided") && body.contains("usage:"), "{body}");
+        let (code, _) = call(&a, "POST", "/logging?level=ztnode%3A%3Aproxy%3Ddebug%2Cnope").await;
+        assert_eq!(code, StatusCode::BAD_REQUEST);
     }
 }

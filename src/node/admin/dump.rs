@@ -329,22 +329,28 @@ fn chain_dump(c: &WorkloadCert) -> Vec<CertDump> {
     c.chain.iter().filter_map(|d| cert_dump(d)).collect()
 }
 
-/// The local config as read from `path` (YAML to JSON), or ztunnel's empty `staticConfig`.
+/// The local config as read from `path` (YAML to JSON, with ztunnel's three lists present), or
+/// ztunnel's empty `staticConfig`.
 fn static_config(path: Option<&PathBuf>) -> Value {
-    let empty = json!({"workloads": [], "policies": [], "services": []});
-    let Some(path) = path else { return empty };
-    std::fs::read_to_string(path)
-        .ok()
+    let mut doc = path
+        .and_then(|p| std::fs::read_to_string(p).ok())
         .and_then(|t| serde_yaml_ng::from_str::<Value>(&t).ok())
         .filter(Value::is_object)
-        .unwrap_or(empty)
+        .unwrap_or_else(|| json!({}));
+    if let Some(obj) = doc.as_object_mut() {
+        for k in ["workloads", "policies", "services"] {
+            obj.entry(k).or_insert_with(|| json!([]));
+        }
+    }
+    doc
 }
 
 /// The `/config_dump` document (see the module docs).
 pub fn config_dump(admin: &Admin) -> Value {
     let state = admin.state.load();
     let certs = &admin.proxies.ctx().certs;
-    let workloads: Vec<_> = state.workloads().map(|w| workload(w)).collect();
+    let mut workloads: Vec<_> = state.workloads().map(|w| workload(w)).collect();
+    workloads.sort_by_key(|w| (w.uid, w.namespace, w.name));
     let services: Vec<_> = state.services().map(|s| service(&state, s)).collect();
     let policies: Vec<&Policy> = state.policies().map(|p| &**p).collect();
     json!({
@@ -359,4 +365,83 @@ pub fn config_dump(admin: &Admin) -> Value {
         "workloadState": admin.proxies.status(),
         "enrolledPods": admin.pods.as_ref().map(|p| p.enrolled()),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::node::admin::tests::admin;
+    use crate::proxy::identity::Identity;
+    use crate::ready::Readiness;
+
+    const CONFIG: &str = "workloads:
+- uid: c1//Pod/ns/a
+  name: a
+  namespace: ns
+  serviceAccount: sa
+  workloadIps: [10.0.0.1]
+  protocol: HBONE
+  node: n1
+  canonicalName: a
+  canonicalRevision: v1
+  services: {ns/svc.ns.svc.cluster.local: {80: 8080}}
+- name: b
+  namespace: ns
+  workloadIps: [10.0.0.2]
+services:
+- name: svc
+  namespace: ns
+  hostname: svc.ns.svc.cluster.local
+  vips: [/10.96.0.1]
+  ports: {80: 8080}
+policies:
+- name: p
+  namespace: ns
+  scope: Namespace
+  action: Deny
+  rules: [[[{notNamespaces: [{Exact: ns}]}]]]
+";
+
+    #[tokio::test]
+    async fn config_dump_has_ztunnels_shape() {
+        let a = admin(Readiness::new());
+        let cfg: crate::proxy::config::LocalConfig = serde_yaml_ng::from_str(CONFIG).expect("yaml");
+        a.state.store(ProxyState::from_config(&cfg).expect("state"));
+        let id = Identity::new("cluster.local", "ns", "sa");
+        a.proxies.ctx().certs.get(&id).expect("issued");
+        let dump = config_dump(&a);
+        let fixture: Value = serde_json::from_str(include_str!(
+            "../../../tests/fixtures/ztunnel_config_dump.json"
+        ))
+        .expect("fixture");
+        let errs = crate::lab::dump_shape::shape_errors(&dump, &fixture);
+        assert!(errs.is_empty(), "{errs:#?}\n{dump:#}");
+        assert_eq!(dump["workloads"][1]["services"], json!(["ns/svc.ns.svc.cluster.local"]));
+        assert_eq!(dump["services"][0]["vips"], json!(["/10.96.0.1"]));
+        assert_eq!(
+            dump["services"][0]["endpoints"]["c1//Pod/ns/a"],
+            json!({"workloadUid": "c1//Pod/ns/a", "port": {"80": 8080}, "status": "Healthy"})
+        );
+        let cert = &dump["certificates"][0];
+        assert_eq!(cert["identity"], "spiffe://cluster.local/ns/ns/sa/sa");
+        assert_eq!(cert["state"], "Available");
+        assert_eq!(cert["certChain"].as_array().map(Vec::len), Some(1));
+        assert_eq!(cert["rootCerts"].as_array().map(Vec::len), Some(1));
+        assert_eq!(dump["staticConfig"], json!({"workloads": [], "policies": [], "services": []}));
+    }
+
+    #[test]
+    fn unavailable_and_initializing_certificates_have_no_chain() {
+        let id = Identity::new("td", "ns", "sa");
+        let d = certs_dump(
+            &[
+                (id.clone(), CertState::Initializing),
+                (id, CertState::Unavailable("CA refused".into())),
+            ],
+            "",
+        );
+        assert_eq!(d[0].state, "Initializing");
+        assert_eq!(d[1].state, "Unavailable: CA refused");
+        assert!(d.iter().all(|c| c.cert_chain.is_empty() && c.root_certs.is_empty()));
+    }
 }
