@@ -42,11 +42,19 @@ fn admin() -> SocketAddr {
 fn wait_ready(node: &MeshNode) {
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
-        let r = get_text(node.lab.node(), READY.parse().expect("addr"), "/healthz/ready");
+        let r = get_text(
+            node.lab.node(),
+            READY.parse().expect("addr"),
+            "/healthz/ready",
+        );
         if matches!(r, Ok((200, _))) {
             return;
         }
-        assert!(Instant::now() < deadline, "node not ready: {r:?}\n{}", node.log_text());
+        assert!(
+            Instant::now() < deadline,
+            "node not ready: {r:?}\n{}",
+            node.log_text()
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
 }
@@ -97,7 +105,10 @@ fn config_dump_has_ztunnels_shape_with_the_pods_certificates() {
         v
     };
     assert_eq!(names("workloads", "name"), ["client", "server"]);
-    assert_eq!(names("services", "hostname"), ["server.default.svc.cluster.local"]);
+    assert_eq!(
+        names("services", "hostname"),
+        ["server.default.svc.cluster.local"]
+    );
     assert_eq!(names("policies", "name"), ["deny-nothing"]);
     assert_eq!(
         dump["services"][0]["endpoints"]["server"]["workloadUid"],
@@ -129,7 +140,10 @@ fn config_dump_has_ztunnels_shape_with_the_pods_certificates() {
 
     let (code, index) = get_text(node.lab.node(), admin(), "/").expect("index");
     assert_eq!(code, 200);
-    assert!(index.contains("config_dump") && index.contains("quitquitquit"), "{index}");
+    assert!(
+        index.contains("config_dump") && index.contains("quitquitquit"),
+        "{index}"
+    );
 }
 
 #[test]
@@ -141,7 +155,10 @@ fn logging_level_changes_without_a_restart() {
     wait_ready(&node);
     let (code, body) = call_text(node.lab.node(), admin(), "POST", "/logging").expect("logging");
     assert_eq!(code, 200, "{body}");
-    assert!(body.starts_with("current log level is ") && body.trim_end().ends_with(",info"), "{body}");
+    assert!(
+        body.starts_with("current log level is ") && body.trim_end().ends_with(",info"),
+        "{body}"
+    );
     assert!(body.contains("h2=warn"), "noisy crates stay quiet: {body}");
 
     config_dump(&node);
@@ -159,7 +176,10 @@ fn logging_level_changes_without_a_restart() {
     let text = node.log_text();
     let first_debug = text.find("\tdebug\t").expect("a debug line");
     let changed = text.find("new log filter").expect("the change is logged");
-    assert!(changed < first_debug, "no debug line before the change:\n{text}");
+    assert!(
+        changed < first_debug,
+        "no debug line before the change:\n{text}"
+    );
     assert_eq!(node.process.0.id(), pid);
 
     let (code, body) =
@@ -178,15 +198,18 @@ fn quitquitquit_stops_the_node_cleanly() {
     wait_ready(&node);
     let (code, _) = call_text(node.lab.node(), admin(), "GET", "/quitquitquit").expect("get");
     assert_eq!(code, 405, "GET must not stop the node");
-    let (code, body) =
-        call_text(node.lab.node(), admin(), "POST", "/quitquitquit").expect("quit");
+    let (code, body) = call_text(node.lab.node(), admin(), "POST", "/quitquitquit").expect("quit");
     assert_eq!((code, body.as_str()), (200, "shutdown now\n"));
     let deadline = Instant::now() + Duration::from_secs(10);
     let status = loop {
         if let Some(s) = node.process.0.try_wait().expect("wait") {
             break s;
         }
-        assert!(Instant::now() < deadline, "still running:\n{}", node.log_text());
+        assert!(
+            Instant::now() < deadline,
+            "still running:\n{}",
+            node.log_text()
+        );
         std::thread::sleep(Duration::from_millis(20));
     };
     assert!(status.success(), "{status}\n{}", node.log_text());
@@ -196,7 +219,10 @@ fn quitquitquit_stops_the_node_cleanly() {
         "the plugin socket is removed"
     );
     drop(node);
-    let out = Command::new("ip").args(["netns", "list"]).output().expect("ip");
+    let out = Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .expect("ip");
     let left = String::from_utf8_lossy(&out.stdout);
     assert!(!left.contains(&prefix), "netns left behind: {left}");
 }
@@ -217,15 +243,24 @@ fn json_log_lines_have_exactly_ztunnels_top_level_keys() {
         .collect();
     assert!(lines.len() > 3, "{text}");
     for l in &lines {
-        let keys: Vec<&str> = l.as_object().expect("object").keys().map(String::as_str).collect();
+        let keys: Vec<&str> = l
+            .as_object()
+            .expect("object")
+            .keys()
+            .map(String::as_str)
+            .collect();
         assert_eq!(keys[..3], ["level", "time", "scope"], "{l}");
         assert!(keys.contains(&"message"), "{l}");
         assert!(
-            ["error", "warn", "info", "debug", "trace"].contains(&l["level"].as_str().unwrap_or("")),
+            ["error", "warn", "info", "debug", "trace"]
+                .contains(&l["level"].as_str().unwrap_or("")),
             "{l}"
         );
         for not_ours in ["fields", "target", "timestamp", "span", "spans"] {
-            assert!(!keys.contains(&not_ours), "{not_ours} is not a ztunnel key: {l}");
+            assert!(
+                !keys.contains(&not_ours),
+                "{not_ours} is not a ztunnel key: {l}"
+            );
         }
     }
     let start = lines
@@ -233,26 +268,38 @@ fn json_log_lines_have_exactly_ztunnels_top_level_keys() {
         .find(|l| l["message"] == "starting ztnode node")
         .expect("start-up line");
     assert_eq!(start["scope"], "ztnode::node");
-    assert_eq!(start["admin_addr"], ADMIN, "start-up settings are fields: {start}");
+    assert_eq!(
+        start["admin_addr"], ADMIN,
+        "start-up settings are fields: {start}"
+    );
     assert_eq!(start["packet_mark"], 1337, "{start}");
     let access = lines
         .iter()
         .find(|l| l["message"] == "connection complete" && l["direction"] == "outbound")
         .expect("access log line");
     assert_eq!(access["scope"], "access");
-    assert!(access["src.addr"].is_string() && access["dst.addr"].is_string(), "{access}");
+    assert!(
+        access["src.addr"].is_string() && access["dst.addr"].is_string(),
+        "{access}"
+    );
 }
 
 /// `ztnode doctor` inside the node netns; (exit code, stdout).
 fn doctor(node: &MeshNode, conf_dir: &std::path::Path, json: bool) -> (i32, String) {
     let mut cmd = Command::new("ip");
-    cmd.args(["netns", "exec", node.lab.node_name(), env!("CARGO_BIN_EXE_ztnode"), "doctor"])
-        .arg("--run-dir")
-        .arg(&node.run_dir)
-        .arg("--cni-conf-dir")
-        .arg(conf_dir)
-        .env_remove("XDS_ADDRESS")
-        .env_remove("CA_ADDRESS");
+    cmd.args([
+        "netns",
+        "exec",
+        node.lab.node_name(),
+        env!("CARGO_BIN_EXE_ztnode"),
+        "doctor",
+    ])
+    .arg("--run-dir")
+    .arg(&node.run_dir)
+    .arg("--cni-conf-dir")
+    .arg(conf_dir)
+    .env_remove("XDS_ADDRESS")
+    .env_remove("CA_ADDRESS");
     if json {
         cmd.arg("--json");
     }
@@ -292,9 +339,18 @@ fn doctor_passes_a_healthy_node_and_names_each_problem() {
 
     let (code, out) = doctor(&node, &conf, false);
     assert_eq!(code, 0, "healthy node:\n{out}");
-    assert!(out.contains("✓ cni: ztnode-cni is chained once and last"), "{out}");
-    assert!(out.contains("✓ pod-rules: default/client: rules as planned"), "{out}");
-    assert!(out.contains("✓ pod-rules: default/server: rules as planned"), "{out}");
+    assert!(
+        out.contains("✓ cni: ztnode-cni is chained once and last"),
+        "{out}"
+    );
+    assert!(
+        out.contains("✓ pod-rules: default/client: rules as planned"),
+        "{out}"
+    );
+    assert!(
+        out.contains("✓ pod-rules: default/server: rules as planned"),
+        "{out}"
+    );
     assert!(out.contains("✓ readiness: ready"), "{out}");
     assert!(!out.contains('✗'), "{out}");
 
@@ -302,7 +358,14 @@ fn doctor_passes_a_healthy_node_and_names_each_problem() {
     let mut uid_1337 = common::node::NodeProcess(
         Command::new("ip")
             .args(["netns", "exec", &node.server.netns_name])
-            .args(["setpriv", "--reuid=1337", "--regid=1337", "--clear-groups", "sleep", "60"])
+            .args([
+                "setpriv",
+                "--reuid=1337",
+                "--regid=1337",
+                "--clear-groups",
+                "sleep",
+                "60",
+            ])
             .stdout(Stdio::null())
             .spawn()
             .expect("setpriv"),
@@ -313,12 +376,18 @@ fn doctor_passes_a_healthy_node_and_names_each_problem() {
         .is_ok_and(|s| s.lines().any(|l| l.starts_with("Uid:\t1337")))
     {
         assert!(Instant::now() < deadline, "setpriv did not switch UID");
-        assert!(uid_1337.0.try_wait().expect("wait").is_none(), "setpriv exited");
+        assert!(
+            uid_1337.0.try_wait().expect("wait").is_none(),
+            "setpriv exited"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     let (code, out) = doctor(&node, &conf, false);
     assert_eq!(code, 2, "a warning only:\n{out}");
-    assert!(out.contains("! pod-uid: default/server runs as UID 1337"), "{out}");
+    assert!(
+        out.contains("! pod-uid: default/server runs as UID 1337"),
+        "{out}"
+    );
 
     // our entry removed from the conflist, and the client's nat table flushed
     let mut list: Value =
@@ -329,17 +398,38 @@ fn doctor_passes_a_healthy_node_and_names_each_problem() {
         .retain(|p| p["type"] != "ztnode-cni");
     std::fs::write(&primary, list.to_string()).expect("rewrite");
     let flushed = Command::new("ip")
-        .args(["netns", "exec", &node.client.netns_name, "nft", "flush", "table", "inet", "istio-ambient-nat"])
+        .args([
+            "netns",
+            "exec",
+            &node.client.netns_name,
+            "nft",
+            "flush",
+            "table",
+            "inet",
+            "istio-ambient-nat",
+        ])
         .status()
         .expect("nft");
     assert!(flushed.success());
 
     let (code, out) = doctor(&node, &conf, false);
     assert_eq!(code, 1, "{out}");
-    assert!(out.contains("✗ cni: 10-bridge.conflist (bridge → portmap) has no ztnode-cni entry"), "{out}");
-    assert!(out.contains("✗ pod-rules: default/client: its istio-ambient-* tables differ"), "{out}");
-    assert!(out.contains("✓ pod-rules: default/server: rules as planned"), "{out}");
-    assert!(out.contains("! pod-uid: default/server runs as UID 1337"), "{out}");
+    assert!(
+        out.contains("✗ cni: 10-bridge.conflist (bridge → portmap) has no ztnode-cni entry"),
+        "{out}"
+    );
+    assert!(
+        out.contains("✗ pod-rules: default/client: its istio-ambient-* tables differ"),
+        "{out}"
+    );
+    assert!(
+        out.contains("✓ pod-rules: default/server: rules as planned"),
+        "{out}"
+    );
+    assert!(
+        out.contains("! pod-uid: default/server runs as UID 1337"),
+        "{out}"
+    );
     let (code, out) = doctor(&node, &conf, true);
     assert_eq!(code, 1);
     let report: Value = serde_json::from_str(&out).expect("doctor --json");

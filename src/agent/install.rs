@@ -322,12 +322,15 @@ pub struct ConfDirReport {
 impl ConfDirReport {
     /// How many ztnode entries the primary's chain holds.
     pub fn ours(&self) -> usize {
-        self.chain.iter().filter(|t| *t == PLUGIN_BINARY_NAME).count()
+        self.chain
+            .iter()
+            .filter(|t| *t == PLUGIN_TYPE)
+            .count()
     }
 
     /// Whether the primary's chain ends with ztnode's entry.
     pub fn ours_last(&self) -> bool {
-        self.chain.last().is_some_and(|t| t == PLUGIN_BINARY_NAME)
+        self.chain.last().is_some_and(|t| t == PLUGIN_TYPE)
     }
 }
 
@@ -343,7 +346,12 @@ pub fn inspect_conf_dir(dir: &std::path::Path) -> Result<ConfDirReport, InstallE
             .and_then(serde_json::Value::as_array)
             .map(|p| {
                 p.iter()
-                    .map(|e| e.get("type").and_then(serde_json::Value::as_str).unwrap_or("").to_owned())
+                    .map(|e| {
+                        e.get("type")
+                            .and_then(serde_json::Value::as_str)
+                            .unwrap_or("")
+                            .to_owned()
+                    })
                     .collect()
             })
             .unwrap_or_default(),
@@ -360,12 +368,21 @@ pub fn inspect_conf_dir(dir: &std::path::Path) -> Result<ConfDirReport, InstallE
     let stray = files
         .iter()
         .filter(|f| Some(&f.name) != primary_name.as_ref())
-        .filter(|f| f.value.as_ref().is_some_and(|v| conflist::count_ours(v) > 0))
+        .filter(|f| {
+            f.value
+                .as_ref()
+                .is_some_and(|v| conflist::count_ours(v) > 0)
+        })
         .map(|f| f.name.clone())
         .collect();
     let invalid = files
         .iter()
-        .filter(|f| f.value.as_ref().and_then(|v| conflist::classify(&f.name, v)).is_none())
+        .filter(|f| {
+            f.value
+                .as_ref()
+                .and_then(|v| conflist::classify(&f.name, v))
+                .is_none()
+        })
         .map(|f| f.name.clone())
         .collect();
     Ok(ConfDirReport {

@@ -31,21 +31,43 @@ pub fn shape_errors(dump: &Value, fixture: &Value) -> Vec<String> {
             keys("cert", cert);
         }
     }
-    for st in dump["workloadState"].as_object().into_iter().flat_map(Map::values) {
+    for st in dump["workloadState"]
+        .as_object()
+        .into_iter()
+        .flat_map(Map::values)
+    {
         keys("workloadState", st);
         keys("workloadInfo", &st["info"]);
     }
     for w in items(&dump["workloads"]) {
-        if !w["workloadIps"].as_array().is_some_and(|a| a.iter().all(Value::is_string)) {
-            errs.push(format!("workload {}: workloadIps must be strings", w["name"]));
+        if !w["workloadIps"]
+            .as_array()
+            .is_some_and(|a| a.iter().all(Value::is_string))
+        {
+            errs.push(format!(
+                "workload {}: workloadIps must be strings",
+                w["name"]
+            ));
         }
-        if !w.get("services").is_none_or(|s| s.as_array().is_some_and(|a| a.iter().all(Value::is_string))) {
-            errs.push(format!("workload {}: services must be a list of namespace/hostname", w["name"]));
+        if !w
+            .get("services")
+            .is_none_or(|s| s.as_array().is_some_and(|a| a.iter().all(Value::is_string)))
+        {
+            errs.push(format!(
+                "workload {}: services must be a list of namespace/hostname",
+                w["name"]
+            ));
         }
     }
     for s in items(&dump["services"]) {
-        if !s["vips"].as_array().is_some_and(|a| a.iter().all(|v| v.as_str().is_some_and(|v| v.contains('/')))) {
-            errs.push(format!("service {}: vips must be network/ip strings", s["name"]));
+        if !s["vips"].as_array().is_some_and(|a| {
+            a.iter()
+                .all(|v| v.as_str().is_some_and(|v| v.contains('/')))
+        }) {
+            errs.push(format!(
+                "service {}: vips must be network/ip strings",
+                s["name"]
+            ));
         }
     }
     for c in items(&dump["certificates"]) {
@@ -73,7 +95,10 @@ fn check_keys(errs: &mut Vec<String>, what: &str, v: &Value, spec: &Value) {
         }
     }
     for k in obj.keys() {
-        if ![&required, &optional, &ours].iter().any(|l| l.contains(&k.as_str())) {
+        if ![&required, &optional, &ours]
+            .iter()
+            .any(|l| l.contains(&k.as_str()))
+        {
             errs.push(format!("{what}: key {k} is not ztunnel's"));
         }
     }
@@ -87,10 +112,19 @@ fn cert_errors(cert: &Value) -> Vec<String> {
         .and_then(|p| base64::engine::general_purpose::STANDARD.decode(p).ok())
         .and_then(|b| String::from_utf8(b).ok());
     if !pem.is_some_and(|p| p.starts_with("-----BEGIN CERTIFICATE-----")) {
-        errs.push(format!("cert pem is not base64 of a PEM certificate: {}", cert["pem"]));
+        errs.push(format!(
+            "cert pem is not base64 of a PEM certificate: {}",
+            cert["pem"]
+        ));
     }
-    if !cert["serialNumber"].as_str().is_some_and(|s| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit())) {
-        errs.push(format!("cert serialNumber is not decimal: {}", cert["serialNumber"]));
+    if !cert["serialNumber"]
+        .as_str()
+        .is_some_and(|s| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()))
+    {
+        errs.push(format!(
+            "cert serialNumber is not decimal: {}",
+            cert["serialNumber"]
+        ));
     }
     let t = |k: &str| {
         cert[k].as_str().and_then(|s| {

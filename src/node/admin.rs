@@ -24,10 +24,10 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 
 use crate::agent::pods::PodManager;
-use crate::runtime::logging;
 use crate::proxy::manager::ProxyManager;
 use crate::proxy::state::StateHandle;
 use crate::ready::Readiness;
+use crate::runtime::logging;
 
 /// What the endpoints read.
 #[derive(Clone)]
@@ -48,11 +48,23 @@ pub struct Admin {
 
 /// The admin endpoints and what they do, for `/` (ztunnel's list).
 pub const ADMIN_ENDPOINTS: &[(&str, &str)] = &[
-    ("config_dump", "dump the current ztnode (ztunnel) configuration"),
-    ("logging", "query/changing logging levels: POST ?level=<level> or ?level=<target>=<level>,...; ?reset"),
+    (
+        "config_dump",
+        "dump the current ztnode (ztunnel) configuration",
+    ),
+    (
+        "logging",
+        "query/changing logging levels: POST ?level=<level> or ?level=<target>=<level>,...; ?reset",
+    ),
     ("quitquitquit", "shut down the server (POST)"),
-    ("debug/pprof/profile", "CPU profile: not built into ztnode (501)"),
-    ("debug/pprof/heap", "heap profile: not built into ztnode (501)"),
+    (
+        "debug/pprof/profile",
+        "CPU profile: not built into ztnode (501)",
+    ),
+    (
+        "debug/pprof/heap",
+        "heap profile: not built into ztnode (501)",
+    ),
 ];
 
 /// `/logging` usage, as ztunnel's help.
@@ -181,7 +193,9 @@ fn handle<B>(
 fn index() -> String {
     let rows: String = ADMIN_ENDPOINTS
         .iter()
-        .map(|(path, what)| format!("<tr><td><a href=\"{path}\">/{path}</a></td><td>{what}</td></tr>\n"))
+        .map(|(path, what)| {
+            format!("<tr><td><a href=\"{path}\">/{path}</a></td><td>{what}</td></tr>\n")
+        })
         .collect();
     format!(
         "<!DOCTYPE html>\n<html><head><title>ztnode admin</title></head><body>\n<h1>ztnode admin</h1>\n<table>\n{rows}</table>\n</body></html>\n"
@@ -324,7 +338,10 @@ mod tests {
             assert_eq!(call(&a, "GET", p).await.0, StatusCode::NOT_IMPLEMENTED);
         }
         let quit = a.quit.subscribe();
-        assert_eq!(call(&a, "GET", "/quitquitquit").await.0, StatusCode::METHOD_NOT_ALLOWED);
+        assert_eq!(
+            call(&a, "GET", "/quitquitquit").await.0,
+            StatusCode::METHOD_NOT_ALLOWED
+        );
         assert!(!*quit.borrow());
         assert_eq!(
             call(&a, "POST", "/quitquitquit").await,
@@ -332,11 +349,22 @@ mod tests {
         );
         assert!(*quit.borrow());
         assert_eq!(call(&a, "GET", "/nope").await.0, StatusCode::NOT_FOUND);
-        assert_eq!(call(&a, "PUT", "/logging").await.0, StatusCode::METHOD_NOT_ALLOWED);
+        assert_eq!(
+            call(&a, "PUT", "/logging").await.0,
+            StatusCode::METHOD_NOT_ALLOWED
+        );
         let (code, body) = call(&a, "POST", "/logging?level=loud").await;
         assert_eq!(code, StatusCode::BAD_REQUEST);
-        assert!(body.contains("Invalid level provided") && body.contains("usage:"), "{body}");
-        let (code, _) = call(&a, "POST", "/logging?level=ztnode%3A%3Aproxy%3Ddebug%2Cnope").await;
+        assert!(
+            body.contains("Invalid level provided") && body.contains("usage:"),
+            "{body}"
+        );
+        let (code, _) = call(
+            &a,
+            "POST",
+            "/logging?level=ztnode%3A%3Aproxy%3Ddebug%2Cnope",
+        )
+        .await;
         assert_eq!(code, StatusCode::BAD_REQUEST);
     }
 }

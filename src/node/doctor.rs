@@ -194,7 +194,10 @@ mod tests {
         let warn = Finding::with("c", Status::Warn, "x", "y");
         let fail = Finding::with("d", Status::Fail, "x", "y");
         let skip = Finding::skip("e", "n/a");
-        assert_eq!(Report::new(vec![ok.clone(), info.clone(), skip]).exit_code(), 0);
+        assert_eq!(
+            Report::new(vec![ok.clone(), info.clone(), skip]).exit_code(),
+            0
+        );
         assert_eq!(Report::new(vec![ok.clone(), warn.clone()]).exit_code(), 2);
         let r = Report::new(vec![ok, warn, fail, info]);
         assert_eq!(r.exit_code(), 1);
@@ -202,7 +205,10 @@ mod tests {
         let text = r.render();
         assert!(text.contains("✓ a: fine\n"), "{text}");
         assert!(text.contains("✗ d: x\n    → y\n"), "{text}");
-        assert!(text.ends_with("1 failed, 1 warnings, 1 suggestions\n"), "{text}");
+        assert!(
+            text.ends_with("1 failed, 1 warnings, 1 suggestions\n"),
+            "{text}"
+        );
         let json = serde_json::to_value(&r).expect("json");
         assert_eq!(json["ok"], false);
         assert_eq!(json["checks"][2]["status"], "fail");

@@ -466,7 +466,11 @@ mod tests {
         let lines: Vec<&str> = out.lines().collect();
         let cols: Vec<&str> = lines[0].split('\t').collect();
         assert_eq!(cols.len(), 5, "{:?}", lines[0]);
-        assert!(cols[0].ends_with('Z') && cols[0].contains('T'), "{}", cols[0]);
+        assert!(
+            cols[0].ends_with('Z') && cols[0].contains('T'),
+            "{}",
+            cols[0]
+        );
         assert_eq!(
             &cols[1..],
             [
@@ -504,12 +508,18 @@ mod tests {
         for bad in ["loud", "debug,nope", ""] {
             assert!(validate_level(bad).is_err(), "{bad:?}");
         }
-        assert_eq!(next_directives("h2=warn,info", false, "debug"), "h2=warn,info,debug");
+        assert_eq!(
+            next_directives("h2=warn,info", false, "debug"),
+            "h2=warn,info,debug"
+        );
         assert_eq!(next_directives("h2=warn,info", false, ""), "h2=warn,info");
         let reset = next_directives("whatever", true, "access=debug");
-        assert!(reset.ends_with(",access=debug") && reset.contains("h2=warn"), "{reset}");
-        let applied = Targets::from_str(&next_directives("h2=warn,info", false, "debug"))
-            .expect("parses");
+        assert!(
+            reset.ends_with(",access=debug") && reset.contains("h2=warn"),
+            "{reset}"
+        );
+        let applied =
+            Targets::from_str(&next_directives("h2=warn,info", false, "debug")).expect("parses");
         assert!(applied.would_enable("ztnode::x", &Level::DEBUG));
         assert!(!applied.would_enable("h2", &Level::INFO));
     }

@@ -296,7 +296,10 @@ pub fn cert_dump(der: &[u8]) -> Option<CertDump> {
 }
 
 /// The `certificates` list: every identity the proxy holds, `roots_pem` as each one's roots.
-pub fn certs_dump(states: &[(crate::proxy::identity::Identity, CertState)], roots_pem: &str) -> Vec<CertsDump> {
+pub fn certs_dump(
+    states: &[(crate::proxy::identity::Identity, CertState)],
+    roots_pem: &str,
+) -> Vec<CertsDump> {
     let roots: Vec<CertDump> = pem::parse_many(roots_pem)
         .unwrap_or_default()
         .iter()
@@ -416,7 +419,10 @@ policies:
         .expect("fixture");
         let errs = crate::lab::dump_shape::shape_errors(&dump, &fixture);
         assert!(errs.is_empty(), "{errs:#?}\n{dump:#}");
-        assert_eq!(dump["workloads"][1]["services"], json!(["ns/svc.ns.svc.cluster.local"]));
+        assert_eq!(
+            dump["workloads"][1]["services"],
+            json!(["ns/svc.ns.svc.cluster.local"])
+        );
         assert_eq!(dump["services"][0]["vips"], json!(["/10.96.0.1"]));
         assert_eq!(
             dump["services"][0]["endpoints"]["c1//Pod/ns/a"],
@@ -427,7 +433,10 @@ policies:
         assert_eq!(cert["state"], "Available");
         assert_eq!(cert["certChain"].as_array().map(Vec::len), Some(1));
         assert_eq!(cert["rootCerts"].as_array().map(Vec::len), Some(1));
-        assert_eq!(dump["staticConfig"], json!({"workloads": [], "policies": [], "services": []}));
+        assert_eq!(
+            dump["staticConfig"],
+            json!({"workloads": [], "policies": [], "services": []})
+        );
     }
 
     #[test]
@@ -442,6 +451,9 @@ policies:
         );
         assert_eq!(d[0].state, "Initializing");
         assert_eq!(d[1].state, "Unavailable: CA refused");
-        assert!(d.iter().all(|c| c.cert_chain.is_empty() && c.root_certs.is_empty()));
+        assert!(
+            d.iter()
+                .all(|c| c.cert_chain.is_empty() && c.root_certs.is_empty())
+        );
     }
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 use serde_json::Value;
 
 use super::{DoctorOptions, Finding, Status};
-use crate::agent::install::{PLUGIN_BINARY_NAME, inspect_conf_dir};
+use crate::agent::install::{PLUGIN_TYPE, inspect_conf_dir};
 use crate::agent::pods::{PodRecord, Store};
 use crate::agent::redirect::{self, RedirectPlan};
 use crate::netns::Netns;
@@ -62,23 +62,23 @@ pub fn cni_config(dir: &Path) -> Vec<Finding> {
         0 => out.push(Finding::with(
             C,
             Status::Fail,
-            format!("{primary} ({chain}) has no {PLUGIN_BINARY_NAME} entry: new pods are not captured"),
+            format!("{primary} ({chain}) has no {PLUGIN_TYPE} entry: new pods are not captured"),
             "restart the ztnode node agent (it installs the entry at start and repairs it) or run `ztnode install`",
         )),
         1 if report.ours_last() => out.push(Finding::ok(
             C,
-            format!("{PLUGIN_BINARY_NAME} is chained once and last in {primary} ({chain})"),
+            format!("{PLUGIN_TYPE} is chained once and last in {primary} ({chain})"),
         )),
         1 => out.push(Finding::with(
             C,
             Status::Fail,
-            format!("{PLUGIN_BINARY_NAME} is not the last plugin in {primary} ({chain})"),
+            format!("{PLUGIN_TYPE} is not the last plugin in {primary} ({chain})"),
             "restart the ztnode node agent, which moves its entry to the end",
         )),
         n => out.push(Finding::with(
             C,
             Status::Fail,
-            format!("{PLUGIN_BINARY_NAME} is chained {n} times in {primary} ({chain})"),
+            format!("{PLUGIN_TYPE} is chained {n} times in {primary} ({chain})"),
             "restart the ztnode node agent, which keeps exactly one entry",
         )),
     }
@@ -94,7 +94,7 @@ pub fn cni_config(dir: &Path) -> Vec<Finding> {
         out.push(Finding::with(
             C,
             Status::Warn,
-            format!("{stray} holds a {PLUGIN_BINARY_NAME} entry but is not the primary config"),
+            format!("{stray} holds a {PLUGIN_TYPE} entry but is not the primary config"),
             "remove the entry from it (restarting the agent does so)",
         ));
     }
@@ -125,10 +125,11 @@ pub fn kernel(plan: &RedirectPlan) -> Vec<Finding> {
         )),
     }
     let v4 = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None);
-    match v4.as_ref().map_err(|e| e.to_string()).and_then(|s| {
-        s.set_mark(plan.proxy_mark.get())
-            .map_err(|e| e.to_string())
-    }) {
+    match v4
+        .as_ref()
+        .map_err(|e| e.to_string())
+        .and_then(|s| s.set_mark(plan.proxy_mark.get()).map_err(|e| e.to_string()))
+    {
         Ok(()) => out.push(Finding::ok(C, "SO_MARK can be set")),
         Err(e) => out.push(Finding::with(
             C,
@@ -137,9 +138,10 @@ pub fn kernel(plan: &RedirectPlan) -> Vec<Finding> {
             "run with CAP_NET_ADMIN (the DaemonSet adds it)",
         )),
     }
-    match v4.as_ref().map(|s| {
-        nix::sys::socket::setsockopt(s, nix::sys::socket::sockopt::IpTransparent, &true)
-    }) {
+    match v4
+        .as_ref()
+        .map(|s| nix::sys::socket::setsockopt(s, nix::sys::socket::sockopt::IpTransparent, &true))
+    {
         Ok(Ok(())) => out.push(Finding::ok(C, "IP_TRANSPARENT can be set")),
         Ok(Err(e)) => out.push(Finding::with(
             C,
@@ -299,7 +301,13 @@ pub fn admin(dump: &Result<Value, String>, addr: SocketAddr) -> Vec<Finding> {
         .into_iter()
         .flatten()
         .filter(|p| p["pending"] == true)
-        .map(|p| format!("{}/{}", p["namespace"].as_str().unwrap_or("?"), p["name"].as_str().unwrap_or("?")))
+        .map(|p| {
+            format!(
+                "{}/{}",
+                p["namespace"].as_str().unwrap_or("?"),
+                p["name"].as_str().unwrap_or("?")
+            )
+        })
         .collect();
     if pending.is_empty() {
         let n = dump["workloadState"].as_object().map_or(0, |m| m.len());
@@ -317,7 +325,13 @@ pub fn admin(dump: &Result<Value, String>, addr: SocketAddr) -> Vec<Finding> {
         .into_iter()
         .flatten()
         .filter(|c| c["state"] != "Available")
-        .map(|c| format!("{} ({})", c["identity"].as_str().unwrap_or("?"), c["state"].as_str().unwrap_or("?")))
+        .map(|c| {
+            format!(
+                "{} ({})",
+                c["identity"].as_str().unwrap_or("?"),
+                c["state"].as_str().unwrap_or("?")
+            )
+        })
         .collect();
     if unavailable.is_empty() {
         out.push(Finding::ok(C, "every certificate is available"));
@@ -349,7 +363,8 @@ pub fn control_plane(dump: &Result<Value, String>, opts: &DoctorOptions) -> Vec<
             .ok()
             .and_then(|d| d["config"][k].as_str().map(str::to_owned))
     };
-    let xds = from_dump("xdsAddress").or_else(|| opts.xds_address.clone().filter(|a| !a.is_empty()));
+    let xds =
+        from_dump("xdsAddress").or_else(|| opts.xds_address.clone().filter(|a| !a.is_empty()));
     let ca = from_dump("caAddress").or_else(|| opts.ca_address.clone().filter(|a| !a.is_empty()));
     [("xds", xds), ("ca", ca)]
         .into_iter()
@@ -445,7 +460,10 @@ pub fn proxy_uid(run_dir: &Path, proc_root: &Path) -> Vec<Finding> {
     if out.is_empty() {
         out.push(Finding::ok(
             C,
-            format!("no enrolled pod runs as UID {PROXY_UID} ({} pods)", pods.len()),
+            format!(
+                "no enrolled pod runs as UID {PROXY_UID} ({} pods)",
+                pods.len()
+            ),
         ));
     }
     out
@@ -469,7 +487,12 @@ pub fn telemetry_labels(dump: &Result<Value, String>) -> Vec<Finding> {
         .as_array()
         .into_iter()
         .flatten()
-        .filter_map(|p| Some((p["namespace"].as_str()?.to_owned(), p["name"].as_str()?.to_owned())))
+        .filter_map(|p| {
+            Some((
+                p["namespace"].as_str()?.to_owned(),
+                p["name"].as_str()?.to_owned(),
+            ))
+        })
         .collect();
     let unlabelled: Vec<String> = dump["workloads"]
         .as_array()
@@ -495,12 +518,18 @@ pub fn telemetry_labels(dump: &Result<Value, String>) -> Vec<Finding> {
         })
         .collect();
     if unlabelled.is_empty() {
-        vec![Finding::ok(C, "every meshed pod has app and version labels")]
+        vec![Finding::ok(
+            C,
+            "every meshed pod has app and version labels",
+        )]
     } else {
         vec![Finding::with(
             C,
             Status::Info,
-            format!("meshed pods without app/version labels: {}", unlabelled.join(", ")),
+            format!(
+                "meshed pods without app/version labels: {}",
+                unlabelled.join(", ")
+            ),
             "add the `app` and `version` labels so metrics and Kiali name the workloads",
         )]
     }
@@ -512,9 +541,18 @@ mod tests {
 
     #[test]
     fn host_port_takes_the_authority_of_an_address() {
-        assert_eq!(host_port("istiod.istio-system.svc:15012"), Some(("istiod.istio-system.svc".into(), 15012)));
-        assert_eq!(host_port("https://10.0.0.1:15012/"), Some(("10.0.0.1".into(), 15012)));
-        assert_eq!(host_port("https://[::1]:15012"), Some(("::1".into(), 15012)));
+        assert_eq!(
+            host_port("istiod.istio-system.svc:15012"),
+            Some(("istiod.istio-system.svc".into(), 15012))
+        );
+        assert_eq!(
+            host_port("https://10.0.0.1:15012/"),
+            Some(("10.0.0.1".into(), 15012))
+        );
+        assert_eq!(
+            host_port("https://[::1]:15012"),
+            Some(("::1".into(), 15012))
+        );
         assert_eq!(host_port("istiod"), None);
     }
 
@@ -539,9 +577,17 @@ mod tests {
         assert!(f[0].message.contains("no ztnode-cni entry"), "{f:?}");
         write(d.path(), "10-a.conflist", list(&["ztnode-cni", "bridge"]));
         assert!(cni_config(d.path())[0].message.contains("not the last"));
-        write(d.path(), "10-a.conflist", list(&["bridge", "ztnode-cni", "ztnode-cni"]));
+        write(
+            d.path(),
+            "10-a.conflist",
+            list(&["bridge", "ztnode-cni", "ztnode-cni"]),
+        );
         assert!(cni_config(d.path())[0].message.contains("2 times"));
-        write(d.path(), "10-a.conflist", list(&["bridge", "istio-cni", "ztnode-cni"]));
+        write(
+            d.path(),
+            "10-a.conflist",
+            list(&["bridge", "istio-cni", "ztnode-cni"]),
+        );
         let f = cni_config(d.path());
         assert_eq!(status(&f), [Status::Ok, Status::Fail]);
         assert!(f[1].message.contains("istio-cni"), "{f:?}");
@@ -549,7 +595,11 @@ mod tests {
         write(d.path(), "20-b.conflist", list(&["other", "ztnode-cni"]));
         std::fs::write(d.path().join("05-bad.conf"), "{not json").expect("write");
         let f = cni_config(d.path());
-        assert_eq!(status(&f), [Status::Warn, Status::Ok, Status::Warn], "{f:?}");
+        assert_eq!(
+            status(&f),
+            [Status::Warn, Status::Ok, Status::Warn],
+            "{f:?}"
+        );
     }
 
     #[test]
@@ -580,8 +630,14 @@ mod tests {
         });
         let f = admin(&Ok(dump), "127.0.0.1:1".parse().expect("addr"));
         assert_eq!(f.len(), 2);
-        assert!(f[0].status == Status::Fail && f[0].message.contains("a/p"), "{f:?}");
-        assert!(f[1].status == Status::Fail && f[1].message.contains("Initializing"), "{f:?}");
+        assert!(
+            f[0].status == Status::Fail && f[0].message.contains("a/p"),
+            "{f:?}"
+        );
+        assert!(
+            f[1].status == Status::Fail && f[1].message.contains("Initializing"),
+            "{f:?}"
+        );
         let f = admin(&Err("refused".into()), "127.0.0.1:1".parse().expect("addr"));
         assert_eq!(f[0].status, Status::Fail);
     }
