@@ -36,6 +36,10 @@ use crate::zds::{self, WorkloadInfo};
 /// How often the local config file is re-read.
 const CONFIG_POLL: Duration = Duration::from_secs(1);
 
+/// How long `POST /quitquitquit` leaves the admin server before the process stops, so that its
+/// answer is written first.
+const QUIT_ANSWER_GRACE: Duration = Duration::from_millis(100);
+
 /// Readiness task of the local config (pending until it was read once).
 pub const LOCAL_CONFIG_TASK: &str = "local config";
 
@@ -115,7 +119,7 @@ pub async fn run(
 
     tokio::select! {
         _ = shutdown => {}
-        _ = quit.wait_for(|q| *q) => {}
+        _ = quitting(&mut quit) => {}
     }
     tracing::info!("shutting down");
     let _ = stop_tx.send(true);
@@ -201,7 +205,7 @@ pub async fn run_proxy(
     .await?;
     let res = tokio::select! {
         _ = shutdown => Ok(()),
-        _ = quit.wait_for(|q| *q) => Ok(()),
+        _ = quitting(&mut quit) => Ok(()),
         r = zds::client::run(zds_socket, proxy.link, std::future::pending(), move |up| connection.set_ready(up)) => {
             r.context("ZDS connection to the node agent")
         }
@@ -275,6 +279,14 @@ fn load_state(config: &Path, ready: &Readiness) -> anyhow::Result<StateHandle> {
         CONFIG_POLL,
     ));
     Ok(state)
+}
+
+/// Resolves [`QUIT_ANSWER_GRACE`] after `quit` turned true (never if its sender is gone).
+async fn quitting(quit: &mut watch::Receiver<bool>) {
+    match quit.wait_for(|q| *q).await {
+        Ok(_) => tokio::time::sleep(QUIT_ANSWER_GRACE).await,
+        Err(_) => std::future::pending().await,
+    }
 }
 
 /// Serves the admin, readiness and metrics endpoints until `stop`; returns the receiver that

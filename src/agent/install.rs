@@ -322,10 +322,7 @@ pub struct ConfDirReport {
 impl ConfDirReport {
     /// How many ztnode entries the primary's chain holds.
     pub fn ours(&self) -> usize {
-        self.chain
-            .iter()
-            .filter(|t| *t == PLUGIN_TYPE)
-            .count()
+        self.chain.iter().filter(|t| *t == PLUGIN_TYPE).count()
     }
 
     /// Whether the primary's chain ends with ztnode's entry.
