@@ -286,20 +286,14 @@ fn json_log_lines_have_exactly_ztunnels_top_level_keys() {
 
 /// `ztnode doctor` inside the node netns; (exit code, stdout).
 fn doctor(node: &MeshNode, conf_dir: &std::path::Path, json: bool) -> (i32, String) {
-    let mut cmd = Command::new("ip");
-    cmd.args([
-        "netns",
-        "exec",
-        node.lab.node_name(),
-        env!("CARGO_BIN_EXE_ztnode"),
-        "doctor",
-    ])
-    .arg("--run-dir")
-    .arg(&node.run_dir)
-    .arg("--cni-conf-dir")
-    .arg(conf_dir)
-    .env_remove("XDS_ADDRESS")
-    .env_remove("CA_ADDRESS");
+    let mut cmd = Lab::exec_in(node.lab.node_name(), env!("CARGO_BIN_EXE_ztnode"));
+    cmd.arg("doctor")
+        .arg("--run-dir")
+        .arg(&node.run_dir)
+        .arg("--cni-conf-dir")
+        .arg(conf_dir)
+        .env_remove("XDS_ADDRESS")
+        .env_remove("CA_ADDRESS");
     if json {
         cmd.arg("--json");
     }
@@ -356,10 +350,8 @@ fn doctor_passes_a_healthy_node_and_names_each_problem() {
 
     // a process of the server pod runs as the proxy's UID
     let mut uid_1337 = common::node::NodeProcess(
-        Command::new("ip")
-            .args(["netns", "exec", &node.server.netns_name])
+        Lab::exec_in(&node.server.netns_name, "setpriv")
             .args([
-                "setpriv",
                 "--reuid=1337",
                 "--regid=1337",
                 "--clear-groups",
@@ -397,17 +389,8 @@ fn doctor_passes_a_healthy_node_and_names_each_problem() {
         .expect("plugins")
         .retain(|p| p["type"] != "ztnode-cni");
     std::fs::write(&primary, list.to_string()).expect("rewrite");
-    let flushed = Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            &node.client.netns_name,
-            "nft",
-            "flush",
-            "table",
-            "inet",
-            "istio-ambient-nat",
-        ])
+    let flushed = Lab::exec_in(&node.client.netns_name, "nft")
+        .args(["flush", "table", "inet", "istio-ambient-nat"])
         .status()
         .expect("nft");
     assert!(flushed.success());
