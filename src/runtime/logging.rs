@@ -38,6 +38,9 @@ netlink_proto=warn,netlink_packet_route=error";
 /// The level when `RUST_LOG` is unset or empty.
 pub const DEFAULT_LEVEL: &str = "info";
 
+/// The env variable of the filter directives.
+pub const RUST_LOG_ENV: &str = "RUST_LOG";
+
 /// The env switch of the JSON format (ztunnel's).
 pub const LOG_FORMAT_ENV: &str = "LOG_FORMAT";
 
@@ -80,7 +83,7 @@ fn fallback_filter() -> Targets {
 /// `LOG_FORMAT`, the filter from `RUST_LOG` (a `RUST_LOG` that does not parse is reported and
 /// replaced by the default), records of the `log` crate turned into events.
 pub fn init() {
-    let rust_log = std::env::var("RUST_LOG").ok();
+    let rust_log = std::env::var(RUST_LOG_ENV).ok();
     let (filter, bad) = match filter_for(rust_log.as_deref()) {
         Ok(f) => (f, None),
         Err(e) => (fallback_filter(), Some(e)),
