@@ -298,6 +298,22 @@ pub fn remove(netns: &Netns) -> Result<(), RedirectError> {
     })?
 }
 
+/// Whether `netns` holds exactly `plan`'s tables and rules (the check [`apply`] makes before
+/// replacing anything): `false` when a table is missing or extra, or a chain's rules differ
+/// (flushed, edited). For `ztnode doctor`'s drift check. Blocking.
+pub fn matches_plan(netns: &Netns, plan: &RedirectPlan) -> Result<bool, RedirectError> {
+    let plan = plan.clone();
+    netns.run(move || -> Result<bool, RedirectError> {
+        let mut existing = Vec::new();
+        for name in rules::all_table_names() {
+            if nft::table_exists(&Table::inet(name))? {
+                existing.push(name);
+            }
+        }
+        Ok(is_current(&plan, &existing)?)
+    })?
+}
+
 /// Whether the redirection is installed in `netns`: both always-present tables (`istio-ambient-nat`
 /// and `istio-ambient-mangle`) exist. For CNI CHECK and diagnostics. Blocking.
 pub fn is_applied(netns: &Netns) -> Result<bool, RedirectError> {
