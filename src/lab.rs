@@ -5,11 +5,13 @@
 //! [`MeshLab`] is one running `ztnode node` with its first pods. On it run `ztnode demo` ([`demo`]:
 //! two pods and proof that their traffic went through HBONE), `ztnode bench`
 //! ([`bench`](mod@bench): what the mesh costs against the direct path) and the end-to-end tests;
-//! [`pcap`] reads the captures taken on the bridge.
+//! [`pcap`] reads the captures taken on the bridge; [`dump_shape`] checks an admin `/config_dump`
+//! against the shape of ztunnel's.
 
 pub mod bench;
 pub mod cnichain;
 pub mod demo;
+pub mod dump_shape;
 pub mod http;
 pub mod istiod;
 pub mod kube;

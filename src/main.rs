@@ -246,6 +246,36 @@ enum Cmd {
         #[arg(long, default_value_t = 20)]
         xds_pushes: usize,
     },
+    /// Check this node: CNI config, kernel features, in-pod rules, readiness, istiod, pods' UIDs
+    /// and labels. One line per check; exit 1 on a failure, 2 on warnings only.
+    Doctor {
+        /// Agent run dir (`pods.json`).
+        #[arg(long, env = "CNI_AGENT_RUN_DIR", default_value = mesh::DEFAULT_RUN_DIR)]
+        run_dir: PathBuf,
+        /// Host CNI config dir.
+        #[arg(long, default_value = mesh::DEFAULT_CNI_CONF_DIR)]
+        cni_conf_dir: PathBuf,
+        /// The node's admin address (`/config_dump`).
+        #[arg(long, default_value_t = mesh::DEFAULT_ADMIN_ADDR)]
+        admin_addr: SocketAddr,
+        /// The node's readiness address (`/healthz/ready`); default the readiness port on localhost.
+        #[arg(long, default_value = "127.0.0.1:15021")]
+        readiness_addr: SocketAddr,
+        /// The host's procfs (`/host/proc` in the DaemonSet).
+        #[arg(long, env = "HOST_PROC", default_value = "/proc")]
+        proc_root: PathBuf,
+        /// The node's in-pod rules redirect DNS too (`ztnode node --dns-capture`).
+        #[arg(long, env = "AMBIENT_DNS_CAPTURE")]
+        dns_capture: bool,
+        /// The node's in-pod rules cover IPv6 too (`ztnode node --ipv6`).
+        #[arg(long, env = "AMBIENT_IPV6")]
+        ipv6: bool,
+        #[command(flatten)]
+        mesh: MeshOpts,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// The CNI plugin (same as running as `ztnode-cni`).
     Cni,
     /// Print version and git commit.
@@ -311,6 +341,40 @@ fn run(cmd: Cmd) -> anyhow::Result<i32> {
             runtime::init_tracing();
             ztnode::agent::install::uninstall(&install_config(&dirs)?)?;
             Ok(0)
+        }
+        Cmd::Doctor {
+            run_dir,
+            cni_conf_dir,
+            admin_addr,
+            readiness_addr,
+            proc_root,
+            dns_capture,
+            ipv6,
+            mesh,
+            json,
+        } => {
+            let opts = ztnode::node::doctor::DoctorOptions {
+                run_dir,
+                cni_conf_dir,
+                admin_addr,
+                readiness_addr,
+                proc_root,
+                plan: ztnode::agent::redirect::RedirectPlan {
+                    ipv6,
+                    dns_capture,
+                    proxy_mark: mesh.packet_mark,
+                    ..Default::default()
+                },
+                xds_address: std::env::var("XDS_ADDRESS").ok(),
+                ca_address: std::env::var("CA_ADDRESS").ok(),
+            };
+            let report = ztnode::node::doctor::run(&opts);
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{}", report.render());
+            }
+            Ok(report.exit_code())
         }
         Cmd::Demo { verbose } => Ok(ztnode::lab::demo::run(verbose)),
         Cmd::Bench {
@@ -520,6 +584,7 @@ fn proxy_config(
             resolv_conf: p.dns_resolv_conf.clone(),
             cluster_domain: p.cluster_domain.clone(),
         },
+        trust_domain: env.trust_domain.clone(),
     }
 }
 

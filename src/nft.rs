@@ -30,7 +30,9 @@ use nix::errno::Errno;
 pub use expr::{
     CmpOp, CtKey, Expr, ImmediateData, MetaKey, NatKind, PayloadBase, Register, Verdict,
 };
-pub use query::{RuleSummary, list_rules, list_set_elems, set_exists, table_exists};
+pub use query::{
+    RuleSummary, base_chain_hook, list_rules, list_set_elems, set_exists, table_exists,
+};
 pub use set::{MAX_COMMENT_LEN, Set, SetElem, SetElems, SetKeyType};
 
 use socket::{NfSocket, RECV_BUF_LEN};

@@ -12,6 +12,7 @@
 //! when `shutdown` resolves (SIGTERM/SIGINT in `main`).
 
 pub mod admin;
+pub mod doctor;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -36,6 +37,10 @@ use crate::zds::{self, WorkloadInfo};
 
 /// How often the local config file is re-read.
 const CONFIG_POLL: Duration = Duration::from_secs(1);
+
+/// How long `POST /quitquitquit` leaves the admin server before the process stops, so that its
+/// answer is written first.
+const QUIT_ANSWER_GRACE: Duration = Duration::from_millis(100);
 
 /// Readiness task of the local config (pending until it was read once).
 pub const LOCAL_CONFIG_TASK: &str = "local config";
@@ -77,7 +82,14 @@ pub async fn run(
     cfg: NodeConfig,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<()> {
-    tracing::info!(?cfg, "starting ztnode node");
+    let run_config = run_config(
+        "node",
+        &cfg.source,
+        &cfg.proxy,
+        Some(&cfg.agent),
+        cfg.node_name.clone(),
+    );
+    log_start("starting ztnode node", &run_config, cfg.kube.is_some());
     anyhow::ensure!(
         cfg.agent.redirect.proxy_mark == cfg.proxy.packet_mark,
         "the in-pod rules must exclude the proxy's packet mark: rules {}, proxy {}",
@@ -97,18 +109,22 @@ pub async fn run(
         stopped(stop_rx.clone()),
     )
     .await?;
-    serve_admin(
+    let mut quit = serve_admin(
         &cfg.proxy,
         state,
         proxy.manager.clone(),
         Some(agent.pods.clone()),
         ready,
         registry,
+        run_config,
         stop_rx,
     )
     .await?;
 
-    shutdown.await;
+    tokio::select! {
+        _ = shutdown => {}
+        _ = quitting(&mut quit) => {}
+    }
     tracing::info!("shutting down");
     let _ = stop_tx.send(true);
     agent.join().await;
@@ -126,7 +142,18 @@ pub async fn run_agent(
     zds_socket: PathBuf,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<()> {
-    tracing::info!(?cfg, ?config, ?kube, zds_socket = %zds_socket.display(), "starting ztnode agent");
+    tracing::info!(
+        run_dir = %cfg.run_dir.display(),
+        local_xds_config = config.as_ref().map(|c| c.display().to_string()),
+        kubernetes = kube.is_some(),
+        local_node = kube.as_ref().map(|k| k.settings.node_name.as_str()),
+        cni_conf_dir = cfg.install.as_ref().map(|i| i.cni_conf_dir.display().to_string()),
+        ipv6 = cfg.redirect.ipv6,
+        dns_capture = cfg.redirect.dns_capture,
+        packet_mark = cfg.redirect.proxy_mark.get(),
+        zds_socket = %zds_socket.display(),
+        "starting ztnode agent"
+    );
     let ready = Readiness::new();
     let (stop_tx, stop_rx) = watch::channel(false);
     let source = config.map_or(WorkloadSource::Empty, WorkloadSource::LocalConfig);
@@ -163,25 +190,29 @@ pub async fn run_proxy(
     zds_socket: PathBuf,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<()> {
-    tracing::info!(?cfg, ?source, zds_socket = %zds_socket.display(), "starting ztnode proxy");
+    let run_config = run_config("proxy", &source, &cfg, None, None);
+    log_start("starting ztnode proxy", &run_config, false);
+    tracing::info!(zds_socket = %zds_socket.display(), "connecting to the node agent");
     let ready = Readiness::new();
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut registry = Registry::default();
     let state = start_state(source, &ready, &stop_rx, &mut registry)?;
     let proxy = proxy::start(&cfg, state.clone(), &ready)?;
     let connection = ready.register(ZDS_CONNECTION_TASK);
-    serve_admin(
+    let mut quit = serve_admin(
         &cfg,
         state,
         proxy.manager.clone(),
         None,
         ready,
         registry,
+        run_config,
         stop_rx,
     )
     .await?;
     let res = tokio::select! {
         _ = shutdown => Ok(()),
+        _ = quitting(&mut quit) => Ok(()),
         r = zds::client::run(zds_socket, proxy.link, std::future::pending(), move |up| connection.set_ready(up)) => {
             r.context("ZDS connection to the node agent")
         }
@@ -261,6 +292,16 @@ fn load_state(config: &Path, ready: &Readiness) -> anyhow::Result<StateHandle> {
     Ok(state)
 }
 
+/// Resolves [`QUIT_ANSWER_GRACE`] after `quit` turned true (never if its sender is gone).
+async fn quitting(quit: &mut watch::Receiver<bool>) {
+    match quit.wait_for(|q| *q).await {
+        Ok(_) => tokio::time::sleep(QUIT_ANSWER_GRACE).await,
+        Err(_) => std::future::pending().await,
+    }
+}
+
+/// Serves the admin, readiness and metrics endpoints until `stop`; returns the receiver that
+/// turns true on `POST /quitquitquit`.
 async fn serve_admin(
     cfg: &ProxyConfig,
     state: StateHandle,
@@ -268,19 +309,23 @@ async fn serve_admin(
     pods: Option<Arc<PodManager>>,
     ready: Readiness,
     mut registry: Registry,
+    config: admin::dump::RunConfig,
     stop: watch::Receiver<bool>,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<watch::Receiver<bool>> {
     proxies.ctx().metrics.register(&mut registry);
     if let Some(p) = &pods {
         p.metrics.register(&mut registry);
     }
     crate::metrics::register_build(&mut registry, env!("CARGO_PKG_VERSION"));
+    let (quit, quit_rx) = watch::channel(false);
     let admin = admin::Admin {
         state,
         proxies,
         pods,
         ready,
         metrics: Arc::new(Exposition::new(registry)),
+        config: Arc::new(config),
+        quit,
     };
     admin::spawn(
         admin,
@@ -289,5 +334,68 @@ async fn serve_admin(
         cfg.metrics_addr,
         stop,
     )
-    .await
+    .await?;
+    Ok(quit_rx)
+}
+
+/// The settings a process runs with, as `/config_dump` shows them (`config`).
+fn run_config(
+    role: &'static str,
+    source: &WorkloadSource,
+    proxy: &ProxyConfig,
+    agent: Option<&AgentConfig>,
+    node_name: Option<String>,
+) -> admin::dump::RunConfig {
+    let (xds_address, local_xds_config) = match source {
+        WorkloadSource::Xds(x) => (Some(x.endpoint.address.to_string()), None),
+        WorkloadSource::LocalConfig(p) => (None, Some(p.clone())),
+        WorkloadSource::Empty => (None, None),
+    };
+    let ca_address = match &proxy.cert_source {
+        proxy::CertSource::Istio { endpoint, .. } => Some(endpoint.address.to_string()),
+        proxy::CertSource::BuiltIn { .. } => None,
+    };
+    admin::dump::RunConfig {
+        role,
+        admin_addr: proxy.admin_addr.to_string(),
+        stats_addr: proxy.metrics_addr.to_string(),
+        readiness_addr: proxy.readiness_addr.to_string(),
+        xds_address,
+        ca_address,
+        local_xds_config,
+        secret_ttl_secs: proxy.cert_lifetime.as_secs(),
+        packet_mark: proxy.packet_mark.get(),
+        dns_proxy: proxy.dns.enabled,
+        local_node: node_name,
+        proxy_mode: "Shared",
+        run_dir: agent.map(|a| a.run_dir.clone()),
+        cni_conf_dir: agent.and_then(|a| a.install.as_ref().map(|i| i.cni_conf_dir.clone())),
+        ipv6: agent.map(|a| a.redirect.ipv6),
+        dns_capture: agent.map(|a| a.redirect.dns_capture),
+    }
+}
+
+/// The start-up line: the settings as fields, one each.
+fn log_start(message: &'static str, c: &admin::dump::RunConfig, kubernetes: bool) {
+    let path = |p: &Option<PathBuf>| p.as_ref().map(|p| p.display().to_string());
+    tracing::info!(
+        version = env!("CARGO_PKG_VERSION"),
+        git = env!("ZTNODE_GIT_SHA"),
+        kubernetes,
+        xds_address = c.xds_address.as_deref(),
+        ca_address = c.ca_address.as_deref().unwrap_or("built-in"),
+        local_xds_config = path(&c.local_xds_config),
+        local_node = c.local_node.as_deref(),
+        run_dir = path(&c.run_dir),
+        cni_conf_dir = path(&c.cni_conf_dir),
+        ipv6 = c.ipv6,
+        dns_capture = c.dns_capture,
+        dns_proxy = c.dns_proxy,
+        packet_mark = c.packet_mark,
+        secret_ttl_secs = c.secret_ttl_secs,
+        admin_addr = %c.admin_addr,
+        readiness_addr = %c.readiness_addr,
+        stats_addr = %c.stats_addr,
+        "{message}"
+    );
 }

@@ -81,6 +81,9 @@ pub struct ProxyConfig {
     pub pool: pool::PoolConfig,
     /// The in-pod DNS proxy on 15053 (on by default, the node's `/etc/resolv.conf` upstreams).
     pub dns: dns::DnsOptions,
+    /// Trust domain of the pods served from their handoff (ztunnel `TRUST_DOMAIN`, default
+    /// `cluster.local`); workload records carry their own.
+    pub trust_domain: String,
 }
 
 impl ProxyConfig {
@@ -98,6 +101,7 @@ impl ProxyConfig {
             metrics_addr: mesh::DEFAULT_METRICS_ADDR,
             pool: pool::PoolConfig::default(),
             dns: dns::DnsOptions::default(),
+            trust_domain: identity::DEFAULT_TRUST_DOMAIN.to_owned(),
         }
     }
 }
@@ -172,6 +176,7 @@ pub fn start(
         local: Default::default(),
         pool: cfg.pool,
         dns,
+        trust_domain: cfg.trust_domain.clone(),
     });
     let manager = ProxyManager::new(ctx);
     let (link, rx) = zds::in_process();

@@ -1,5 +1,6 @@
 //! Process set-up shared by the long-running roles: logging, the tokio runtime (with the heap
 //! trim that returns freed memory to the OS), the file-descriptor limit and the shutdown signal.
+//! Logging is [`logging`].
 
 use std::time::Duration;
 
@@ -9,22 +10,13 @@ pub const DEFAULT_WORKER_THREADS: usize = 2;
 /// How often the heap-trim timer task collects: mimalloc's purge delay (`purge_delay`, 1 s).
 pub const HEAP_TRIM_INTERVAL: Duration = Duration::from_secs(1);
 
-/// Installs the tracing subscriber on stderr: filter from `RUST_LOG` (default `info`), JSON lines
-/// when `LOG_FORMAT=json` (ztunnel's switch), colours only on a terminal.
+pub mod logging;
+
+/// Installs the logging of the long-running roles ([`logging::init`]): ztunnel's plain or JSON
+/// lines on stderr (`LOG_FORMAT=json`), filter from `RUST_LOG` (default `info`) after the
+/// built-in quieting of noisy crates, changeable at run time through the admin `/logging`.
 pub fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,netlink_packet_route=error"));
-    let json = std::env::var("LOG_FORMAT").is_ok_and(|v| v == "json");
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let b = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(ansi)
-        .with_writer(std::io::stderr);
-    if json {
-        b.json().init();
-    } else {
-        b.init();
-    }
+    logging::init();
 }
 
 /// Raises the soft `RLIMIT_NOFILE` to the hard limit (as ztunnel does at start): a proxy holds two

@@ -477,3 +477,113 @@ fn service_traffic_goes_through_its_waypoint_never_around_it() {
         "the waypoint was bypassed"
     );
 }
+
+/// The /64 of the v6 addresses the v6 test adds (`::1` on the bridge, the pods after it).
+const V6_SUBNET: &str = "fd00:249::";
+
+/// Gives `pod` `::<last octet of its v4>/64` (no DAD) in [`V6_SUBNET`]; returns that address.
+fn add_v6(pod: &ztnode::lab::Pod) -> std::net::IpAddr {
+    let std::net::IpAddr::V4(v4) = pod.ip else {
+        panic!("v4 pod address expected");
+    };
+    let addr: std::net::IpAddr = format!("{V6_SUBNET}{}", v4.octets()[3])
+        .parse()
+        .expect("v6 address");
+    let run = |ns: &str, args: &[&str]| {
+        let out = std::process::Command::new("ip")
+            .args(["-n", ns])
+            .args(args)
+            .output()
+            .expect("ip");
+        assert!(
+            out.status.success(),
+            "ip {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    run(
+        &pod.netns_name,
+        &["addr", "add", &format!("{addr}/64"), "dev", "eth0", "nodad"],
+    );
+    addr
+}
+
+/// A v6 connection to an app that listens on v4 only is refused (RST), over HBONE and on the
+/// inbound plaintext path, as it is without the mesh; a v6 app on the same pod is reached over
+/// HBONE, with no plaintext on the bridge.
+#[test]
+fn v6_connection_to_a_v4_only_app_looks_refused() {
+    if !common::privileged("v6_connection_to_a_v4_only_app_looks_refused") {
+        return;
+    }
+    let node = MeshNode::start_with_args(&common::prefix("e26"), "", &["--ipv6"]);
+    let bridge_ns = format!("{}-node", common::prefix("e26"));
+    let out = std::process::Command::new("ip")
+        .args(["-n", &bridge_ns, "addr", "add", &format!("{V6_SUBNET}1/64")])
+        .args(["dev", &node.lab.bridge(), "nodad"])
+        .output()
+        .expect("ip");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let client6 = add_v6(&node.client);
+    let server6 = add_v6(&node.server);
+    add_v6(&node.outsider);
+    // the workloads get their v6 addresses (the node re-reads its config)
+    let path = node.lab.dir().join("local-config.yaml");
+    let base = std::fs::read_to_string(&path).expect("config");
+    let yaml = base
+        .replace(
+            &format!("[\"{}\"]", node.client.ip),
+            &format!("[\"{}\", \"{client6}\"]", node.client.ip),
+        )
+        .replace(
+            &format!("[\"{}\"]", node.server.ip),
+            &format!("[\"{}\", \"{server6}\"]", node.server.ip),
+        );
+    assert_ne!(yaml, base);
+    let tmp = path.with_extension("yaml.new");
+    std::fs::write(&tmp, yaml).expect("write config");
+    std::fs::rename(&tmp, &path).expect("replace config");
+    node.wait_log(&["local config reloaded"], Duration::from_secs(10));
+
+    let server_ns = Netns::open(&node.server.netns_path).expect("server netns");
+    let client_ns = Netns::open(&node.client.netns_path).expect("client netns");
+    let outsider_ns = Netns::open(&node.outsider.netns_path).expect("outsider netns");
+    let _v4_only =
+        Lab::listen_in(&server_ns, SocketAddr::new(node.server.ip, 8080)).expect("listen");
+    let v6_app = echo_once(&server_ns, SocketAddr::new(server6, 8081));
+
+    let capture = common::capture::BridgeCapture::start(&node.lab, "v6");
+    // control: v6 through the mesh works
+    let secret = b"v6-secret-payload";
+    let mut c = Lab::connect_from(&client_ns, SocketAddr::new(server6, 8081)).expect("connect v6");
+    c.write_all(secret).expect("write");
+    c.shutdown(std::net::Shutdown::Write).expect("half close");
+    let mut back = Vec::new();
+    c.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    c.read_to_end(&mut back).expect("read echo");
+    assert_eq!(back, secret);
+    let (_, peer) = v6_app.join().expect("v6 app");
+    assert_eq!(peer.ip(), client6, "the app sees the client's v6 address");
+
+    let refused = SocketAddr::new(server6, 8080);
+    assert_reset(&client_ns, refused, "HBONE over v6");
+    assert_reset(&outsider_ns, refused, "inbound plaintext over v6");
+    node.wait_log(
+        &["connection failed", &refused.to_string()],
+        Duration::from_secs(5),
+    );
+    let segs = capture.check(
+        &[node.client.ip, client6, node.server.ip, server6],
+        &[secret],
+    );
+    assert!(
+        segs.iter()
+            .any(|s| s.src == client6 && s.dst == server6 && s.dst_port == 15008),
+        "the v6 connection went over HBONE between the pods' v6 addresses"
+    );
+}

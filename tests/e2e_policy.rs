@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use common::capture::BridgeCapture;
 use common::node::MeshNode;
 use ztnode::lab::Lab;
 use ztnode::netns::Netns;
@@ -115,6 +116,7 @@ fn a_deny_closes_open_connections_it_denies_within_a_second_and_no_other() {
         return;
     }
     let node = MeshNode::start(&common::prefix("e2l"));
+    let capture = BridgeCapture::start(&node.lab, "deny-live");
     let base = std::fs::read_to_string(config_path(&node)).expect("config");
     let server_ns = Netns::open(&node.server.netns_path).expect("server netns");
     let client_ns = Netns::open(&node.client.netns_path).expect("client netns");
@@ -184,7 +186,7 @@ fn a_deny_closes_open_connections_it_denies_within_a_second_and_no_other() {
             ],
             Duration::from_secs(5),
         );
-        node.wait_log(
+        let line = node.wait_log(
             &[
                 "connection complete",
                 "direction=\"inbound\"",
@@ -193,6 +195,10 @@ fn a_deny_closes_open_connections_it_denies_within_a_second_and_no_other() {
             ],
             Duration::from_secs(5),
         );
+        // what moved before the closing is counted (the 11-byte ping and its echo)
+        for field in ["bytes_sent=11", "bytes_recv=11"] {
+            assert!(line.contains(field), "{field} expected: {line}");
+        }
     }
     assert!(
         !node
@@ -205,6 +211,11 @@ fn a_deny_closes_open_connections_it_denies_within_a_second_and_no_other() {
     app_8081
         .recv_timeout(Duration::from_secs(5))
         .expect("the allowed connection ends when its client closes it");
+    // 8082 came from the outsider, outside the mesh: plaintext there is expected
+    capture.check(
+        &[node.client.ip, node.server.ip],
+        &[b"before 8080", b"before 8081", b"after 8081"],
+    );
 }
 
 /// Connects from `from` to `to`, sends a line and reads to the end: what came back.
@@ -244,6 +255,7 @@ fn deny_rules_with_empty_or_http_only_matches_deny() {
         return;
     }
     let node = MeshNode::start(&common::prefix("e2f"));
+    let capture = BridgeCapture::start(&node.lab, "deny-l7");
     let base = std::fs::read_to_string(config_path(&node)).expect("config");
     let server_ns = Netns::open(&node.server.netns_path).expect("server netns");
     let client_ns = Netns::open(&node.client.netns_path).expect("client netns");
@@ -376,4 +388,6 @@ fn deny_rules_with_empty_or_http_only_matches_deny() {
         ],
         Duration::from_secs(5),
     );
+    // between the mesh pods only HBONE (the outsider's "hello" is plaintext by design)
+    capture.check(&[node.client.ip, node.server.ip], &[]);
 }

@@ -211,6 +211,7 @@ fn a_transfer_ended_by_a_reset_keeps_its_byte_counts() {
         return;
     }
     let node = MeshNode::start(&common::prefix("e2r"));
+    let capture = common::capture::BridgeCapture::start(&node.lab, "reset");
     let server_ns = Netns::open(&node.server.netns_path).expect("server netns");
     let client_ns = Netns::open(&node.client.netns_path).expect("client netns");
 
@@ -273,4 +274,5 @@ fn a_transfer_ended_by_a_reset_keeps_its_byte_counts() {
             "{reporter}: istio_tcp_received_bytes_total={got} < {N}"
         );
     }
+    capture.check(&[node.client.ip, node.server.ip], &[&[0x5a; 64]]);
 }

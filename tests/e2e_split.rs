@@ -379,6 +379,8 @@ fn a_late_workload_record_holds_up_no_add() {
 
     let started = Instant::now();
     let server = lab.add_pod("server", "default").expect("server ADD");
+    // the bridge exists from the first ADD on; no traffic before both pods are there
+    let capture = common::capture::BridgeCapture::start(&lab, "late-record");
     let client = lab.add_pod("client", "default").expect("client ADD");
     assert!(
         started.elapsed() < Duration::from_secs(4),
@@ -415,5 +417,12 @@ fn a_late_workload_record_holds_up_no_add() {
         SocketAddr::new(server_ip, 8081),
         client_ip,
         &proxy.log,
+    );
+    capture.check(
+        &[client_ip, server_ip],
+        &[
+            b"hello over hbone to port 8080",
+            b"hello over hbone to port 8081",
+        ],
     );
 }

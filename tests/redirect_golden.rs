@@ -555,9 +555,7 @@ fn tcp_from_a_virtual_interface_is_redirected_to_15001() -> Result<()> {
 }
 
 /// An agent restart re-applies each pod's unchanged plan: the tables stay in place (same
-/// handles), so our base chains keep running before a pod's own nat chain of the same hook and
-/// priority registered after them (the kernel orders those by registration). A changed plan still
-/// replaces them.
+/// handles, no window without rules). A changed plan still replaces them.
 #[test]
 fn reapplying_an_unchanged_plan_leaves_the_tables_in_place() -> Result<()> {
     if !privileged() {
@@ -585,5 +583,37 @@ fn reapplying_an_unchanged_plan_leaves_the_tables_in_place() -> Result<()> {
     changed.dns_capture = !changed.dns_capture;
     redirect::apply(&ns.netns, &changed)?;
     ensure!(listing(&ns)? != before, "a changed plan must be applied");
+    Ok(())
+}
+
+/// Tables an older version left with istio-cni's nat priority (`dstnat`, -100) are not current:
+/// applying the plan replaces them with chains at -101, so the redirect runs before a pod's own nat
+/// chains.
+#[test]
+fn tables_at_an_older_priority_are_replaced() -> Result<()> {
+    if !privileged() {
+        return Ok(());
+    }
+    let c = &cases()?[0];
+    let ns = TestNs::new("prio")?;
+    let old = redirect::render_script(&c.plan).replace("priority -101 ;", "priority -100 ;");
+    ensure!(old.contains("priority -100 ;"), "{old}");
+    let path = std::env::temp_dir().join(format!("ztnode-old-prio-{}.nft", std::process::id()));
+    std::fs::write(&path, &old)?;
+    let loaded = ns.exec("nft", &["-f", &path.to_string_lossy()]);
+    let _ = std::fs::remove_file(&path);
+    loaded?;
+    let listing = |ns: &TestNs| ns.exec("nft", &["list", "table", "inet", "istio-ambient-nat"]);
+    ensure!(
+        listing(&ns)?.contains("priority dstnat;"),
+        "{}",
+        listing(&ns)?
+    );
+    redirect::apply(&ns.netns, &c.plan)?;
+    let after = listing(&ns)?;
+    ensure!(
+        after.contains("priority dstnat - 1;") && !after.contains("priority dstnat;"),
+        "the old chains were kept:\n{after}"
+    );
     Ok(())
 }

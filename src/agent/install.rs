@@ -306,6 +306,90 @@ pub fn is_installed(cfg: &InstallConfig) -> Result<bool, InstallError> {
     conf_in_place(cfg)
 }
 
+/// What a CNI config dir holds, as the runtime reads it (for `ztnode doctor`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfDirReport {
+    /// The primary config (the first file by name the runtime accepts), if any.
+    pub primary: Option<String>,
+    /// The primary's plugin types, in chain order (one for a `.conf`).
+    pub chain: Vec<String>,
+    /// Files other than the primary that hold a ztnode entry.
+    pub stray: Vec<String>,
+    /// Files with a config extension that do not parse or that the runtime skips.
+    pub invalid: Vec<String>,
+}
+
+impl ConfDirReport {
+    /// How many ztnode entries the primary's chain holds.
+    pub fn ours(&self) -> usize {
+        self.chain.iter().filter(|t| *t == PLUGIN_TYPE).count()
+    }
+
+    /// Whether the primary's chain ends with ztnode's entry.
+    pub fn ours_last(&self) -> bool {
+        self.chain.last().is_some_and(|t| t == PLUGIN_TYPE)
+    }
+}
+
+/// Reads `dir` as [`ConfDirReport`]. Errors: the dir or a file in it cannot be read.
+pub fn inspect_conf_dir(dir: &std::path::Path) -> Result<ConfDirReport, InstallError> {
+    let files = files::scan_conf_dir(dir)?;
+    let primary = plan::primary(&files);
+    let chain = match primary {
+        Some((f, conflist::ConfKind::List)) => f
+            .value
+            .as_ref()
+            .and_then(|v| v.get("plugins"))
+            .and_then(serde_json::Value::as_array)
+            .map(|p| {
+                p.iter()
+                    .map(|e| {
+                        e.get("type")
+                            .and_then(serde_json::Value::as_str)
+                            .unwrap_or("")
+                            .to_owned()
+                    })
+                    .collect()
+            })
+            .unwrap_or_default(),
+        Some((f, conflist::ConfKind::Single)) => f
+            .value
+            .as_ref()
+            .and_then(|v| v.get("type"))
+            .and_then(serde_json::Value::as_str)
+            .map(|t| vec![t.to_owned()])
+            .unwrap_or_default(),
+        None => Vec::new(),
+    };
+    let primary_name = primary.map(|(f, _)| f.name.clone());
+    let stray = files
+        .iter()
+        .filter(|f| Some(&f.name) != primary_name.as_ref())
+        .filter(|f| {
+            f.value
+                .as_ref()
+                .is_some_and(|v| conflist::count_ours(v) > 0)
+        })
+        .map(|f| f.name.clone())
+        .collect();
+    let invalid = files
+        .iter()
+        .filter(|f| {
+            f.value
+                .as_ref()
+                .and_then(|v| conflist::classify(&f.name, v))
+                .is_none()
+        })
+        .map(|f| f.name.clone())
+        .collect();
+    Ok(ConfDirReport {
+        primary: primary_name,
+        chain,
+        stray,
+        invalid,
+    })
+}
+
 /// Writes the plugin's kubeconfig unless current (Kubernetes mode only); returns whether written.
 fn install_kubeconfig(cfg: &InstallConfig) -> Result<bool, InstallError> {
     let Some(kube) = &cfg.kube else {

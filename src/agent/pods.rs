@@ -387,7 +387,10 @@ impl PodManager {
     /// CNI ADD: enroll the pod if the policy says so.
     pub async fn add(&self, ev: PodAddEvent) -> Result<AddOutcome, PodError> {
         let pod = format!("{}/{}", ev.pod_namespace, ev.pod_name);
-        let Some(enrollment) = self.policy.decide(&ev).await? else {
+        let started = std::time::Instant::now();
+        let decided = self.policy.decide(&ev).await;
+        tracing::debug!(%pod, elapsed_us = started.elapsed().as_micros() as u64, "enrollment decided");
+        let Some(enrollment) = decided? else {
             tracing::info!(%pod, "pod is not in the mesh");
             return Ok(AddOutcome::NotInMesh);
         };
@@ -481,6 +484,10 @@ impl PodManager {
         self.persist(snapshot).await;
         self.probe_set(&uid, ips, true).await;
         self.notify(&info);
+        tracing::debug!(
+            elapsed_us = start.elapsed().as_micros() as u64,
+            "pod table saved, probe set updated"
+        );
         Ok(AddOutcome::Enrolled)
     }
 

@@ -214,17 +214,23 @@ pub fn apply(netns: &Netns, plan: &RedirectPlan) -> Result<(), RedirectError> {
 }
 
 /// Whether the tables in `existing` (of the calling thread's netns) are exactly `plan`'s: the
-/// same tables, and in every chain of the plan the same rules in order (expression types and
-/// constants, [`nft::RuleSummary::matches`]). A plan chain without rules cannot be told from a
+/// same tables, base chains with the same type, hook and priority, and in every chain of the plan
+/// the same rules in order (expression types and constants, [`nft::RuleSummary::matches`]). A plan chain without rules cannot be told from a
 /// missing one, so such a plan is never current.
 fn is_current(plan: &RedirectPlan, existing: &[&str]) -> Result<bool, NftError> {
     let mut tables: Vec<&str> = Vec::new();
     let mut chains: Vec<(Table, String, Vec<&[nft::Expr]>)> = Vec::new();
+    let mut hooks: Vec<(&Table, &str, nft::ChainHook)> = Vec::new();
     let commands = rules::commands(plan);
     for c in &commands {
         match c {
             Command::AddTable(t) if !tables.contains(&t.name.as_str()) => tables.push(&t.name),
-            Command::AddChain(ch) => chains.push((ch.table.clone(), ch.name.clone(), Vec::new())),
+            Command::AddChain(ch) => {
+                if let Some(h) = ch.hook {
+                    hooks.push((&ch.table, &ch.name, h));
+                }
+                chains.push((ch.table.clone(), ch.name.clone(), Vec::new()));
+            }
             Command::AddRule(r) => {
                 if let Some(entry) = chains
                     .iter_mut()
@@ -242,6 +248,11 @@ fn is_current(plan: &RedirectPlan, existing: &[&str]) -> Result<bool, NftError> 
     have.sort_unstable();
     if want != have {
         return Ok(false);
+    }
+    for (table, chain, hook) in hooks {
+        if nft::base_chain_hook(table, chain)? != Some(hook) {
+            return Ok(false);
+        }
     }
     for (table, chain, rules) in &chains {
         if rules.is_empty() {
@@ -284,6 +295,22 @@ pub fn remove(netns: &Netns) -> Result<(), RedirectError> {
     netns.run(|| -> Result<(), RedirectError> {
         remove_batch().commit()?;
         routing::remove()
+    })?
+}
+
+/// Whether `netns` holds exactly `plan`'s tables and rules (the check [`apply`] makes before
+/// replacing anything): `false` when a table is missing or extra, or a chain's rules differ
+/// (flushed, edited). For `ztnode doctor`'s drift check. Blocking.
+pub fn matches_plan(netns: &Netns, plan: &RedirectPlan) -> Result<bool, RedirectError> {
+    let plan = plan.clone();
+    netns.run(move || -> Result<bool, RedirectError> {
+        let mut existing = Vec::new();
+        for name in rules::all_table_names() {
+            if nft::table_exists(&Table::inet(name))? {
+                existing.push(name);
+            }
+        }
+        Ok(is_current(&plan, &existing)?)
     })?
 }
 

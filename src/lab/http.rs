@@ -43,6 +43,20 @@ pub fn get_text(netns: &Netns, addr: SocketAddr, path: &str) -> Result<(u16, Str
     exchange(netns, addr, "GET", path, None)
 }
 
+/// `method path` without a body from inside `netns` to `addr` (e.g. `POST /logging?level=debug`):
+/// the status code and the body as text.
+///
+/// # Errors
+/// As [`request`].
+pub fn call_text(
+    netns: &Netns,
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+) -> Result<(u16, String), LabError> {
+    exchange(netns, addr, method, path, None)
+}
+
 /// One request (`body` = content type, text); the status code and the (dechunked) body.
 fn exchange(
     netns: &Netns,

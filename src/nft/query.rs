@@ -9,7 +9,7 @@ use nix::errno::Errno;
 use super::set::{self, SetElem};
 use super::socket::{NfSocket, RECV_BUF_LEN};
 use super::wire::{self, Attr, MsgHeader, Reply};
-use super::{Expr, NftError, Table};
+use super::{ChainHook, ChainType, Expr, Hook, NftError, Table};
 
 /// Sequence number of the single request of a query.
 const SEQ: u32 = 1;
@@ -92,6 +92,69 @@ pub fn list_rules(table: &Table, chain: &str) -> Result<Vec<RuleSummary>, NftErr
         other => other?,
     };
     msgs.iter().map(|m| parse_rule(m)).collect()
+}
+
+/// The type, hook and priority of base chain `chain` of `table` (`NFT_MSG_GETCHAIN` dump of the
+/// table's family, filtered here). `Ok(None)` when the chain is missing, is not a base chain, or
+/// has a hook or type this crate does not program (so it can never equal a [`ChainHook`] of ours).
+pub fn base_chain_hook(table: &Table, chain: &str) -> Result<Option<ChainHook>, NftError> {
+    let describe = || format!("list chains of {table}");
+    let msgs = match dump(wire::msg::GETCHAIN, table, &[], describe) {
+        Err(NftError::Kernel {
+            source: Errno::ENOENT,
+            ..
+        }) => return Ok(None),
+        other => other?,
+    };
+    for m in &msgs {
+        let attrs = wire::parse_attrs(m)?;
+        let named = |ty| wire::find_attr(&attrs, ty).map(wire::attr_str);
+        if named(wire::chain::TABLE).as_deref() != Some(&table.name)
+            || named(wire::chain::NAME).as_deref() != Some(chain)
+        {
+            continue;
+        }
+        return parse_chain_hook(&attrs);
+    }
+    Ok(None)
+}
+
+fn parse_chain_hook(attrs: &[(u16, &[u8])]) -> Result<Option<ChainHook>, NftError> {
+    let Some(nested) = wire::find_attr(attrs, wire::chain::HOOK) else {
+        return Ok(None);
+    };
+    let hook_attrs = wire::parse_attrs(nested)?;
+    let be32 = |ty| {
+        wire::find_attr(&hook_attrs, ty)
+            .and_then(|b| <[u8; 4]>::try_from(b).ok())
+            .map(u32::from_be_bytes)
+    };
+    let (Some(hooknum), Some(priority)) = (
+        be32(wire::chain::HOOK_HOOKNUM),
+        be32(wire::chain::HOOK_PRIORITY),
+    ) else {
+        return Err(NftError::MalformedReply {
+            what: "base chain without hook number or priority",
+        });
+    };
+    let hook = [
+        Hook::Prerouting,
+        Hook::Input,
+        Hook::Forward,
+        Hook::Output,
+        Hook::Postrouting,
+    ]
+    .into_iter()
+    .find(|h| h.number() == hooknum);
+    let chain_type = wire::find_attr(attrs, wire::chain::TYPE).map(wire::attr_str);
+    let chain_type = [ChainType::Filter, ChainType::Nat, ChainType::Route]
+        .into_iter()
+        .find(|t| Some(t.name()) == chain_type.as_deref());
+    Ok(hook.zip(chain_type).map(|(hook, chain_type)| ChainHook {
+        chain_type,
+        hook,
+        priority: priority as i32,
+    }))
 }
 
 fn parse_rule(payload: &[u8]) -> Result<RuleSummary, NftError> {

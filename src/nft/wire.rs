@@ -46,6 +46,7 @@ pub(crate) mod msg {
     pub(crate) const GETTABLE: u16 = 1;
     pub(crate) const DELTABLE: u16 = 2;
     pub(crate) const NEWCHAIN: u16 = 3;
+    pub(crate) const GETCHAIN: u16 = 4;
     pub(crate) const NEWRULE: u16 = 6;
     pub(crate) const GETRULE: u16 = 7;
     pub(crate) const DELRULE: u16 = 8;

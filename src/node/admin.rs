@@ -1,12 +1,18 @@
 //! Admin, readiness and metrics endpoints of the proxy process (ztunnel ports, `../shared/spec/ztunnel.md` §7).
 //!
-//! - admin `127.0.0.1:15000`: `GET /config_dump` → JSON `{workloads, services, policies, certificates,
-//!   workloadState, enrolledPods, version}`;
+//! - admin `127.0.0.1:15000` (ztunnel's `src/admin.rs`): `GET /` lists the endpoints;
+//!   `GET /config_dump` → JSON in ztunnel's shape ([`dump`]); `POST /logging` shows the log
+//!   filter, `POST /logging?level=<level>|<target>=<level>,...` adds to it and `?reset` goes back
+//!   to the start-up default first, without a restart ([`crate::runtime::logging`]; `GET` shows it
+//!   too); `POST /quitquitquit` answers `shutdown now` and stops the process the way SIGTERM does;
+//!   `/debug/pprof/profile` and `/debug/pprof/heap` answer 501 (no profiler is built in);
 //! - readiness `:15021`: `GET /healthz/ready` → `200 ready\n` once no start-up task is pending
 //!   ([`crate::ready`]), else `500 not ready, pending: ["task", ...]\n`;
 //! - stats `:15020`: `GET /metrics` (and `/stats/prometheus`) → the OpenMetrics text of the
 //!   process's registry ([`crate::metrics::Exposition`]: OpenMetrics content type when asked,
 //!   gzip when accepted).
+
+pub mod dump;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -17,7 +23,6 @@ use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body_util::Full;
 use hyper_util::rt::TokioIo;
-use serde_json::json;
 use tokio::net::TcpListener;
 
 use crate::agent::pods::PodManager;
@@ -25,6 +30,7 @@ use crate::metrics::Exposition;
 use crate::proxy::manager::ProxyManager;
 use crate::proxy::state::StateHandle;
 use crate::ready::Readiness;
+use crate::runtime::logging;
 
 /// What the endpoints read.
 #[derive(Clone)]
@@ -39,7 +45,39 @@ pub struct Admin {
     pub ready: Readiness,
     /// Every metric of the process, served on `/metrics`.
     pub metrics: Arc<Exposition>,
+    /// The settings `/config_dump` shows as `config` (and its `staticConfig` source).
+    pub config: Arc<dump::RunConfig>,
+    /// Set to true by `POST /quitquitquit`: the process stops as on SIGTERM.
+    pub quit: tokio::sync::watch::Sender<bool>,
 }
+
+/// The admin endpoints and what they do, for `/` (ztunnel's list).
+pub const ADMIN_ENDPOINTS: &[(&str, &str)] = &[
+    (
+        "config_dump",
+        "dump the current ztnode (ztunnel) configuration",
+    ),
+    (
+        "logging",
+        "query/changing logging levels: POST ?level=<level> or ?level=<target>=<level>,...; ?reset",
+    ),
+    ("quitquitquit", "shut down the server (POST)"),
+    (
+        "debug/pprof/profile",
+        "CPU profile: not built into ztnode (501)",
+    ),
+    (
+        "debug/pprof/heap",
+        "heap profile: not built into ztnode (501)",
+    ),
+];
+
+/// `/logging` usage, as ztunnel's help.
+const LOGGING_HELP: &str = "usage: POST /logging\t\t\t\t(to list the current level)\n\
+usage: POST /logging?level=<level>\t\t(to change the global level)\n\
+usage: POST /logging?level=<target>=<level>,...\t(to change targets' levels)\n\
+usage: POST /logging?reset[&level=...]\t(back to the start-up default first)\n\
+hint: level: error|warn|info|debug|trace|off; target: a module path, e.g. ztnode::proxy, or access\n";
 
 #[derive(Clone, Copy)]
 enum Kind {
@@ -106,12 +144,39 @@ fn handle<B>(
     kind: Kind,
     req: Request<B>,
 ) -> Result<Response<Full<Bytes>>, Infallible> {
+    if let Kind::Admin = kind {
+        tracing::debug!(method = %req.method(), path = req.uri().path(), "admin request");
+    }
     match (kind, req.uri().path()) {
+        (Kind::Admin, "/") => text(StatusCode::OK, index(), "text/html; charset=utf-8"),
         (Kind::Admin, "/config_dump") => {
-            let dump = config_dump(admin);
-            let body = serde_json::to_vec_pretty(&dump).unwrap_or_default();
+            let body = serde_json::to_vec_pretty(&dump::config_dump(admin)).unwrap_or_default();
             text(StatusCode::OK, body, "application/json")
         }
+        (Kind::Admin, "/logging") => match *req.method() {
+            http::Method::POST | http::Method::GET => {
+                let (code, body) = change_logging(req.uri().query());
+                text(code, body, "text/plain")
+            }
+            _ => text(
+                StatusCode::METHOD_NOT_ALLOWED,
+                format!("Invalid HTTP method\n{LOGGING_HELP}"),
+                "text/plain",
+            ),
+        },
+        (Kind::Admin, "/quitquitquit") => {
+            if req.method() != http::Method::POST {
+                return text(StatusCode::METHOD_NOT_ALLOWED, "use POST\n", "text/plain");
+            }
+            tracing::info!("shutdown requested on /quitquitquit");
+            let _ = admin.quit.send(true);
+            text(StatusCode::OK, "shutdown now\n", "text/plain")
+        }
+        (Kind::Admin, p) if p.starts_with("/debug/pprof/") => text(
+            StatusCode::NOT_IMPLEMENTED,
+            "profiling is not built into ztnode: no maintained profiler crate serves pprof on a static musl build without a heavy dependency tree; use perf on the node\n",
+            "text/plain",
+        ),
         (Kind::Ready, "/healthz/ready") => {
             if admin.ready.is_ready() {
                 text(StatusCode::OK, "ready\n", "text/plain")
@@ -149,46 +214,46 @@ fn handle<B>(
     }
 }
 
-/// The `/config_dump` document.
-pub fn config_dump(admin: &Admin) -> serde_json::Value {
-    let state = admin.state.load();
-    let certs: Vec<_> = admin
-        .proxies
-        .ctx()
-        .certs
-        .certificates()
+/// The `/` page: a table of [`ADMIN_ENDPOINTS`].
+fn index() -> String {
+    let rows: String = ADMIN_ENDPOINTS
         .iter()
-        .map(|c| {
-            json!({
-                "identity": c.identity.to_string(),
-                "notBefore": humantime(c.not_before),
-                "notAfter": humantime(c.not_after),
-            })
+        .map(|(path, what)| {
+            format!("<tr><td><a href=\"{path}\">/{path}</a></td><td>{what}</td></tr>\n")
         })
         .collect();
-    json!({
-        "version": env!("CARGO_PKG_VERSION"),
-        "workloads": state.workloads().collect::<Vec<_>>(),
-        "services": state.services().collect::<Vec<_>>(),
-        "policies": state.policies().collect::<Vec<_>>(),
-        "certificates": certs,
-        "workloadState": admin.proxies.status(),
-        "enrolledPods": admin.pods.as_ref().map(|p| p.enrolled()),
-    })
+    format!(
+        "<!DOCTYPE html>\n<html><head><title>ztnode admin</title></head><body>\n<h1>ztnode admin</h1>\n<table>\n{rows}</table>\n</body></html>\n"
+    )
 }
 
-fn humantime(t: std::time::SystemTime) -> String {
-    let secs = t
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    time::OffsetDateTime::from_unix_timestamp(secs as i64)
-        .ok()
-        .and_then(|d| {
-            d.format(&time::format_description::well_known::Rfc3339)
-                .ok()
-        })
-        .unwrap_or_else(|| secs.to_string())
+/// `/logging` with `query`: without `level` or `reset`, the filter in force; else the change
+/// ([`logging::set_level`]) and then the new filter. 400 with the usage on a bad level.
+fn change_logging(query: Option<&str>) -> (StatusCode, String) {
+    let mut level = None;
+    let mut reset = false;
+    for (k, v) in form_urlencoded::parse(query.unwrap_or_default().as_bytes()) {
+        match &*k {
+            "level" => level = Some(v.into_owned()),
+            "reset" => reset = true,
+            _ => {}
+        }
+    }
+    let result = match (&level, reset) {
+        (None, false) => logging::current_level(),
+        _ => logging::set_level(reset, level.as_deref().unwrap_or_default()),
+    };
+    match result {
+        Ok(filter) => (StatusCode::OK, format!("current log level is {filter}\n")),
+        Err(e @ (logging::LogError::InvalidLevel(_) | logging::LogError::Parse(_))) => (
+            StatusCode::BAD_REQUEST,
+            format!("Invalid level provided: {e}\n{LOGGING_HELP}"),
+        ),
+        Err(e) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("failed to get or set the log level: {e}\n"),
+        ),
+    }
 }
 
 #[cfg(test)]
@@ -202,7 +267,7 @@ mod tests {
     use crate::proxy::pod::ProxyContext;
     use crate::proxy::state::ProxyState;
 
-    fn admin(ready: Readiness) -> Admin {
+    pub(crate) fn admin(ready: Readiness) -> Admin {
         let state = StateHandle::new(ProxyState::default());
         let ca = Ca::load_or_generate(None).expect("CA");
         let ctx = Arc::new(ProxyContext {
@@ -213,6 +278,7 @@ mod tests {
             local: Default::default(),
             pool: crate::proxy::pool::PoolConfig::default(),
             dns: None,
+            trust_domain: "cluster.local".into(),
         });
         let (zds, _rx) = crate::zds::in_process();
         let policy: Arc<dyn crate::agent::enroll::EnrollmentPolicy> =
@@ -229,6 +295,8 @@ mod tests {
             metrics: Arc::new(Exposition::new(
                 prometheus_client::registry::Registry::default(),
             )),
+            config: Arc::new(dump::RunConfig::default()),
+            quit: tokio::sync::watch::channel(false).0,
         }
     }
 
@@ -273,5 +341,59 @@ mod tests {
             get(&a, Kind::Admin, "/healthz/ready").await.0,
             StatusCode::NOT_FOUND
         );
+    }
+
+    async fn call(admin: &Admin, method: &str, path: &str) -> (StatusCode, String) {
+        let req = Request::builder()
+            .method(method)
+            .uri(path)
+            .body(())
+            .expect("request");
+        let resp = handle(admin, Kind::Admin, req).expect("infallible");
+        let status = resp.status();
+        let body = resp.into_body().collect().await.expect("body").to_bytes();
+        (status, String::from_utf8_lossy(&body).into_owned())
+    }
+
+    #[tokio::test]
+    async fn admin_lists_its_endpoints_quits_on_post_and_says_profiling_is_not_built_in() {
+        let a = admin(Readiness::new());
+        let (code, index) = call(&a, "GET", "/").await;
+        assert_eq!(code, StatusCode::OK);
+        for (path, _) in ADMIN_ENDPOINTS {
+            assert!(index.contains(&format!("href=\"{path}\"")), "{index}");
+        }
+        for p in ["/debug/pprof/profile", "/debug/pprof/heap"] {
+            assert_eq!(call(&a, "GET", p).await.0, StatusCode::NOT_IMPLEMENTED);
+        }
+        let quit = a.quit.subscribe();
+        assert_eq!(
+            call(&a, "GET", "/quitquitquit").await.0,
+            StatusCode::METHOD_NOT_ALLOWED
+        );
+        assert!(!*quit.borrow());
+        assert_eq!(
+            call(&a, "POST", "/quitquitquit").await,
+            (StatusCode::OK, "shutdown now\n".to_owned())
+        );
+        assert!(*quit.borrow());
+        assert_eq!(call(&a, "GET", "/nope").await.0, StatusCode::NOT_FOUND);
+        assert_eq!(
+            call(&a, "PUT", "/logging").await.0,
+            StatusCode::METHOD_NOT_ALLOWED
+        );
+        let (code, body) = call(&a, "POST", "/logging?level=loud").await;
+        assert_eq!(code, StatusCode::BAD_REQUEST);
+        assert!(
+            body.contains("Invalid level provided") && body.contains("usage:"),
+            "{body}"
+        );
+        let (code, _) = call(
+            &a,
+            "POST",
+            "/logging?level=ztnode%3A%3Aproxy%3Ddebug%2Cnope",
+        )
+        .await;
+        assert_eq!(code, StatusCode::BAD_REQUEST);
     }
 }

@@ -18,6 +18,8 @@
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll, ready};
 
 use bytes::{Buf, Bytes, BytesMut};
@@ -114,7 +116,7 @@ async fn read_chunk<R: ReadReady>(
 async fn tcp_to_tcp(
     mut reader: OwnedReadHalf,
     mut writer: OwnedWriteHalf,
-    total: &mut u64,
+    total: &AtomicU64,
 ) -> io::Result<()> {
     let mut size = ReadSize::new();
     while let Some(buf) = read_chunk(&mut reader, &mut size).await? {
@@ -124,7 +126,7 @@ async fn tcp_to_tcp(
             if n == 0 {
                 return Err(io::ErrorKind::WriteZero.into());
             }
-            *total += n as u64;
+            total.fetch_add(n as u64, Ordering::Relaxed);
             rest = &rest[n..];
         }
     }
@@ -409,19 +411,76 @@ fn poll_read_chunk<R: ReadReady>(
 /// Relays between two TCP connections (plain passthrough), half-close propagated; the first error
 /// of either direction ends both, with the bytes moved until then.
 pub async fn relay_tcp(local: TcpStream, remote: TcpStream) -> Result<Transferred, CopyError> {
+    relay_tcp_counted(local, remote, &LiveCounts::default()).await
+}
+
+/// Byte counts of a running relay, readable while it runs.
+#[derive(Debug, Default)]
+pub struct LiveCounts {
+    sent: AtomicU64,
+    received: AtomicU64,
+}
+
+impl LiveCounts {
+    /// The bytes moved until now.
+    pub fn get(&self) -> Transferred {
+        Transferred {
+            sent: self.sent.load(Ordering::Relaxed),
+            received: self.received.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// [`relay_tcp`] counting into `counts` as it goes.
+async fn relay_tcp_counted(
+    local: TcpStream,
+    remote: TcpStream,
+    counts: &LiveCounts,
+) -> Result<Transferred, CopyError> {
     let (lr, lw) = local.into_split();
     let (rr, rw) = remote.into_split();
-    let mut t = Transferred::default();
     let res = tokio::try_join!(
-        tcp_to_tcp(lr, rw, &mut t.sent),
-        tcp_to_tcp(rr, lw, &mut t.received)
+        tcp_to_tcp(lr, rw, &counts.sent),
+        tcp_to_tcp(rr, lw, &counts.received)
     );
     match res {
-        Ok(((), ())) => Ok(t),
+        Ok(((), ())) => Ok(counts.get()),
         Err(error) => Err(CopyError {
             error,
-            transferred: t,
+            transferred: counts.get(),
         }),
+    }
+}
+
+/// A [`relay_tcp`] (boxed) that tells the bytes it has moved while it runs
+/// ([`TcpRelay::so_far`]): what a connection closed from outside (a revoked policy) reports.
+pub struct TcpRelay {
+    relay: Pin<Box<dyn Future<Output = Result<Transferred, CopyError>> + Send>>,
+    counts: Arc<LiveCounts>,
+}
+
+impl TcpRelay {
+    /// Relays `local` ↔ `remote` as [`relay_tcp`].
+    pub fn new(local: TcpStream, remote: TcpStream) -> TcpRelay {
+        let counts = Arc::new(LiveCounts::default());
+        let shared = counts.clone();
+        TcpRelay {
+            relay: Box::pin(async move { relay_tcp_counted(local, remote, &shared).await }),
+            counts,
+        }
+    }
+
+    /// The bytes moved until now.
+    pub fn so_far(&self) -> Transferred {
+        self.counts.get()
+    }
+}
+
+impl Future for TcpRelay {
+    type Output = Result<Transferred, CopyError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.relay.as_mut().poll(cx)
     }
 }
 

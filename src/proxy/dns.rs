@@ -246,7 +246,15 @@ async fn serve_tcp(pod: Arc<PodProxy>, dns: Arc<DnsProxy>, l: TcpListener) {
 }
 
 /// Forwarded TCP requests waiting for their answer: id → (sent at, labels).
-type Pending = Arc<Mutex<HashMap<u16, (Instant, DnsLabels)>>>;
+type Pending = Arc<Mutex<HashMap<u16, PendingQuery>>>;
+
+/// A query forwarded over TCP and not answered yet.
+struct PendingQuery {
+    sent: Instant,
+    labels: DnsLabels,
+    /// The SERVFAIL the client gets if the upstream connection ends first.
+    servfail: Vec<u8>,
+}
 
 /// The client's writing half, shared by the request loop and the upstream relay.
 type ClientWriter = Arc<tokio::sync::Mutex<OwnedWriteHalf>>;
@@ -290,7 +298,15 @@ async fn tcp_connection(
             (Outcome::Reply(reply), _) => reply,
             (Outcome::Forward(req), Some(labels)) => {
                 metrics.upstream_request(&labels);
-                lock(&pending).insert(req.id, (Instant::now(), labels.clone()));
+                let servfail = message::error_reply(&raw, &req, ResponseCode::ServFail);
+                lock(&pending).insert(
+                    req.id,
+                    PendingQuery {
+                        sent: Instant::now(),
+                        labels: labels.clone(),
+                        servfail,
+                    },
+                );
                 match send_upstream(&pod, &dns, &mut upstream, &writer, &pending, &raw).await {
                     Ok(()) => continue,
                     Err(e) => {
@@ -314,8 +330,8 @@ async fn tcp_connection(
         let _ = up.writer.shutdown().await;
         let _ = tokio::time::timeout(dns.upstreams().timeout, &mut up.relay.0).await;
     }
-    for (_, (_, labels)) in lock(&pending).drain() {
-        metrics.upstream_failure(&labels);
+    for (_, q) in lock(&pending).drain() {
+        metrics.upstream_failure(&q.labels);
     }
 }
 
@@ -364,6 +380,8 @@ async fn send_upstream(
 }
 
 /// Copies the upstream's answers to the client as they come, timing the requests they answer.
+/// When the upstream connection ends (or breaks) first, every query still waiting gets SERVFAIL
+/// (counted as an upstream failure) rather than no answer at all.
 async fn relay_answers(
     pod: Arc<PodProxy>,
     mut upstream: tokio::net::tcp::OwnedReadHalf,
@@ -372,15 +390,26 @@ async fn relay_answers(
 ) {
     while let Ok(Some(answer)) = forward::read_frame(&mut upstream).await {
         if let Some(id) = answer.get(..2).map(|b| u16::from_be_bytes([b[0], b[1]]))
-            && let Some((sent, labels)) = lock(&pending).remove(&id)
+            && let Some(q) = lock(&pending).remove(&id)
         {
             pod.ctx
                 .metrics
                 .dns
-                .upstream_duration(&labels, sent.elapsed());
+                .upstream_duration(&q.labels, q.sent.elapsed());
         }
         tracing::debug!(target: "dns", bytes = answer.len(), result = "forwarded");
         if forward::write_frame(&mut *client.lock().await, &answer)
+            .await
+            .is_err()
+        {
+            return;
+        }
+    }
+    let unanswered: Vec<PendingQuery> = lock(&pending).drain().map(|(_, q)| q).collect();
+    for q in unanswered {
+        pod.ctx.metrics.dns.upstream_failure(&q.labels);
+        tracing::debug!(target: "dns", result = "upstream connection ended before the answer");
+        if forward::write_frame(&mut *client.lock().await, &q.servfail)
             .await
             .is_err()
         {

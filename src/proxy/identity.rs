@@ -34,7 +34,7 @@ pub use bundle::TrustBundle;
 pub use ca::{CA_KEY_FILE, Ca, ROOT_CERT_FILE};
 pub use caclient::{CaClient, CaClientError, Issued, RemoteCa};
 pub use manager::{
-    CertManager, CertOptions, CertSource, Clock, ENSURE_TIMEOUT, MAX_CONCURRENT_CSRS,
+    CertManager, CertOptions, CertSource, CertState, Clock, ENSURE_TIMEOUT, MAX_CONCURRENT_CSRS,
 };
 
 /// Trust domain used when none is configured (ztunnel: empty XDS `trust_domain`).

@@ -316,9 +316,8 @@ pub fn handle_plaintext(
     task::run(plaintext_setup(pod, tcp, peer))
 }
 
-/// A plaintext inbound relay (boxed: the rare path).
-type Plaintext =
-    std::pin::Pin<Box<dyn Future<Output = Result<copy::Transferred, copy::CopyError>> + Send>>;
+/// A plaintext inbound relay.
+type Plaintext = copy::TcpRelay;
 
 /// Everything before the plaintext relay: original destination, the checks, the app connect.
 async fn plaintext_setup(
@@ -380,7 +379,7 @@ async fn plaintext_setup(
         .await
     {
         Ok(upstream) => {
-            let relay: Plaintext = Box::pin(copy::relay_tcp(tcp, upstream));
+            let relay = copy::TcpRelay::new(tcp, upstream);
             Some(Logged::new(
                 pod.ctx.clone(),
                 log,

@@ -34,7 +34,7 @@ use futures::task::AtomicWaker;
 use tokio::sync::watch;
 
 use crate::proxy::authz::{self, Denied};
-use crate::proxy::copy::{CopyError, H2Relay, Transferred};
+use crate::proxy::copy::{CopyError, H2Relay, TcpRelay, Transferred};
 use crate::proxy::identity::Identity;
 use crate::proxy::state::{Policy, ProxyState, StateHandle, Workload};
 
@@ -218,10 +218,9 @@ impl SoFar for H2Relay {
     }
 }
 
-/// A boxed relay (the plaintext path) cannot be asked: it reports nothing moved.
-impl SoFar for Pin<Box<dyn Future<Output = Result<Transferred, CopyError>> + Send>> {
+impl SoFar for TcpRelay {
     fn so_far(&self) -> Transferred {
-        Transferred::default()
+        TcpRelay::so_far(self)
     }
 }
 

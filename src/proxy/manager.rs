@@ -314,6 +314,7 @@ impl ProxyManager {
             .collect();
         tracing::info!(%uid, ?ips, "workload not in the state: serving it with its handoff identity");
         Ok(Arc::new(Workload::from_handoff(
+            &self.ctx.trust_domain,
             uid,
             &info.name,
             &info.namespace,
@@ -478,6 +479,7 @@ mod tests {
             local: Default::default(),
             pool: crate::proxy::pool::PoolConfig::default(),
             dns: None,
+            trust_domain: "cluster.local".into(),
         });
         let manager = ProxyManager::new(ctx);
         let info = WorkloadInfo {
@@ -498,6 +500,53 @@ mod tests {
         assert!(manager.is_empty());
         let alice = Identity::new("cluster.local", "default", "alice");
         assert_eq!(certs.holders(&alice), 0, "no reference left behind");
+    }
+
+    /// A CA that records the identities asked for, then refuses.
+    struct Recording(std::sync::Mutex<Vec<String>>);
+
+    impl RemoteCa for Recording {
+        fn fetch<'a>(&'a self, id: &'a Identity) -> BoxFuture<'a, Result<Issued, CaClientError>> {
+            if let Ok(mut asked) = self.0.lock() {
+                asked.push(id.to_string());
+            }
+            Box::pin(async {
+                Err(CaClientError::Unauthenticated {
+                    message: "recorded".into(),
+                })
+            })
+        }
+    }
+
+    #[tokio::test]
+    async fn a_pod_served_from_its_handoff_has_the_configured_trust_domain() {
+        let state = crate::proxy::state::StateHandle::new(Default::default());
+        let ca = Arc::new(Recording(Default::default()));
+        let certs = CertManager::remote(
+            ca.clone(),
+            Arc::new(TrustBundle::new(Vec::new(), &[])),
+            CertOptions::new(Duration::from_secs(3600)),
+        );
+        let ctx = Arc::new(ProxyContext {
+            state,
+            certs,
+            metrics: crate::proxy::metrics::Metrics::default(),
+            mark: crate::mesh::PacketMark::DEFAULT,
+            local: Default::default(),
+            pool: crate::proxy::pool::PoolConfig::default(),
+            dns: None,
+            trust_domain: "corp.example".into(),
+        });
+        let manager = ProxyManager::new(ctx);
+        let info = WorkloadInfo {
+            name: "late".into(),
+            namespace: "default".into(),
+            service_account: "erin".into(),
+        };
+        let netns = Netns::current().expect("netns");
+        let _ = manager.add("uid-late".into(), info, netns).await;
+        let asked = ca.0.lock().expect("asked").clone();
+        assert_eq!(asked, ["spiffe://corp.example/ns/default/sa/erin"]);
     }
 
     #[test]

@@ -36,6 +36,8 @@ pub struct ProxyContext {
     pub local: LocalPods,
     /// The in-pod DNS proxy (`None`: off, no 15053 in pods).
     pub dns: Option<Arc<DnsProxy>>,
+    /// Trust domain of the pods served from their handoff ([`super::ProxyConfig::trust_domain`]).
+    pub trust_domain: String,
 }
 
 /// IP → (pod uid, identity) of the pods a proxy serves (see [`ProxyContext::local`]). An IP two

@@ -156,8 +156,9 @@ impl Workload {
 
     /// The workload of a pod known only from its handoff (Kubernetes mode without a workload
     /// source that lists it, as ztunnel serves an in-pod workload from its ZDS `WorkloadInfo`):
-    /// HBONE, trust domain `cluster.local`, the given addresses.
+    /// HBONE, the given trust domain and addresses.
     pub fn from_handoff(
+        trust_domain: &str,
         uid: &str,
         name: &str,
         namespace: &str,
@@ -170,6 +171,7 @@ impl Workload {
             namespace: namespace.to_owned(),
             service_account: service_account.to_owned(),
             workload_ips: ips,
+            trust_domain: trust_domain.to_owned(),
             protocol: Protocol::Hbone,
             capacity: 1,
             ..LocalWorkload::default()

@@ -145,6 +145,7 @@ mod tests {
             local: Default::default(),
             pool: crate::proxy::pool::PoolConfig::default(),
             dns: None,
+            trust_domain: "cluster.local".into(),
         })
     }
 

@@ -189,27 +189,46 @@ async fn session(
     }
 }
 
+/// Decodes one request carrying `fds` file descriptors and checks it as ztunnel does
+/// (`../shared/spec/ztunnel.md` §1 "fd passing rules"): an Add has exactly one fd and its workload
+/// info, every other request none. Pure. Errors: [`ClientError::Decode`],
+/// [`ClientError::EmptyRequest`], [`ClientError::NoFd`], [`ClientError::TooManyFds`],
+/// [`ClientError::NoWorkloadInfo`], [`ClientError::UnexpectedFd`].
+pub fn check_request(data: &[u8], fds: usize) -> Result<Payload, ClientError> {
+    let req = proto::WorkloadRequest::decode(data).map_err(ClientError::Decode)?;
+    let payload = req.payload.ok_or(ClientError::EmptyRequest)?;
+    match &payload {
+        Payload::Add(add) => {
+            let uid = || add.uid.clone();
+            match fds {
+                0 => return Err(ClientError::NoFd { uid: uid() }),
+                1 => {}
+                count => return Err(ClientError::TooManyFds { uid: uid(), count }),
+            }
+            if add.workload_info.is_none() {
+                return Err(ClientError::NoWorkloadInfo { uid: uid() });
+            }
+        }
+        other if fds > 0 => {
+            return Err(ClientError::UnexpectedFd {
+                what: payload_name(other),
+            });
+        }
+        _ => {}
+    }
+    Ok(payload)
+}
+
 /// Decodes one request, checks its fds, and passes it to the proxy.
 async fn handle(pkt: Packet, proxy: &InProcessSender, state: &mut SnapshotState) -> Handled {
-    let req = proto::WorkloadRequest::decode(pkt.data.as_slice()).map_err(ClientError::Decode)?;
+    let payload = check_request(&pkt.data, pkt.fds.len())?;
     let mut fds = pkt.fds;
-    let payload = req.payload.ok_or(ClientError::EmptyRequest)?;
-    if !matches!(payload, Payload::Add(_)) && !fds.is_empty() {
-        return Err(ClientError::UnexpectedFd {
-            what: payload_name(&payload),
-        });
-    }
     match payload {
         Payload::Add(add) => {
             let uid = add.uid;
-            let fd = match (fds.pop(), fds.len()) {
-                (Some(fd), 0) => fd,
-                (None, _) => return Err(ClientError::NoFd { uid }),
-                (Some(_), n) => return Err(ClientError::TooManyFds { uid, count: n + 1 }),
+            let (Some(fd), Some(info)) = (fds.pop(), add.workload_info) else {
+                return Err(ClientError::NoFd { uid });
             };
-            let info = add
-                .workload_info
-                .ok_or_else(|| ClientError::NoWorkloadInfo { uid: uid.clone() })?;
             let netns = Netns::from_file(std::fs::File::from(fd)).map_err(|source| {
                 ClientError::BadNetns {
                     uid: uid.clone(),
@@ -351,6 +370,44 @@ impl SnapshotState {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn encoded(payload: Payload) -> Vec<u8> {
+        proto::WorkloadRequest::new(payload).encode_to_vec()
+    }
+
+    #[test]
+    fn requests_are_checked_for_their_fds_and_workload_info() {
+        let add = |info: bool| {
+            encoded(Payload::Add(proto::AddWorkload {
+                uid: "u1".into(),
+                workload_info: info.then(proto::WorkloadInfo::default),
+            }))
+        };
+        assert!(matches!(check_request(&add(true), 1), Ok(Payload::Add(_))));
+        assert!(matches!(check_request(&add(true), 0), Err(ClientError::NoFd { .. })));
+        assert!(matches!(
+            check_request(&add(true), 2),
+            Err(ClientError::TooManyFds { count: 2, .. })
+        ));
+        assert!(matches!(
+            check_request(&add(false), 1),
+            Err(ClientError::NoWorkloadInfo { .. })
+        ));
+        let del = encoded(Payload::Del(proto::DelWorkload { uid: "u1".into() }));
+        assert!(matches!(check_request(&del, 0), Ok(Payload::Del(_))));
+        assert!(matches!(
+            check_request(&del, 1),
+            Err(ClientError::UnexpectedFd { .. })
+        ));
+        assert!(matches!(
+            check_request(&[0xff, 0xff], 0),
+            Err(ClientError::Decode(_))
+        ));
+        assert!(matches!(
+            check_request(&[], 0),
+            Err(ClientError::EmptyRequest)
+        ));
+    }
 
     #[test]
     fn snapshot_drops_only_workloads_not_named_since_connect() {

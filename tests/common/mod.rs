@@ -20,6 +20,7 @@ pub fn privileged(test: &str) -> bool {
 pub fn prefix(tag: &str) -> String {
     format!("{tag}{}", std::process::id() % 100_000)
 }
+pub mod capture;
 pub mod istiod;
 pub mod kube;
 pub mod node;

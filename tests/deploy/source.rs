@@ -369,9 +369,10 @@ impl SourceNames {
     }
 
     /// Read anywhere in ztnode (the agent's clap `env = ..`, the enrollment rules, `IstioEnv`),
-    /// or the log filter's variable (`runtime::init_tracing`: `EnvFilter::try_from_default_env`).
+    /// or the logging's variables (`runtime::logging`: the filter and the format).
     pub fn read_by_ztnode(&self, name: &str) -> bool {
-        Self::has(&self.all, name) || name == tracing_subscriber::EnvFilter::DEFAULT_ENV
+        use ztnode::runtime::logging::{LOG_FORMAT_ENV, RUST_LOG_ENV};
+        Self::has(&self.all, name) || name == RUST_LOG_ENV || name == LOG_FORMAT_ENV
     }
 
     pub fn ztunnel_ignored(&self, name: &str) -> bool {

@@ -25,6 +25,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use kube::api::Api;
 use tokio::sync::mpsc;
@@ -48,6 +50,9 @@ use crate::zds::WorkloadInfo;
 /// How long pods that keep failing after the first complete list hold readiness back; after it
 /// the node turns ready with a warning naming them (so one broken pod cannot stall a rollout).
 pub const READY_GRACE: Duration = Duration::from_secs(60);
+
+/// How many pods are reconciled at once (a burst at start: every running pod of the node).
+const RECONCILE_CONCURRENCY: usize = 8;
 
 /// A pod's `(namespace, name)`.
 type PodKey = (String, String);
@@ -226,8 +231,23 @@ impl Reconciler {
                 continue;
             }
             queue.due(Instant::now());
-            while let Some(key) = queue.pop() {
-                match self.reconcile(&key.0, &key.1).await {
+            // Up to RECONCILE_CONCURRENCY pods at once (each waits on netlink, the proxy and the
+            // API server); a key is in the queue at most once, so no pod runs twice at a time.
+            let mut running = FuturesUnordered::new();
+            let this = &self;
+            loop {
+                while running.len() < RECONCILE_CONCURRENCY
+                    && let Some(key) = queue.pop()
+                {
+                    running.push(async move {
+                        let res = this.reconcile(&key.0, &key.1).await;
+                        (key, res)
+                    });
+                }
+                let Some((key, res)) = running.next().await else {
+                    break;
+                };
+                match res {
                     Ok(()) => queue.succeeded(&key),
                     Err(e) => {
                         tracing::warn!(pod = %format!("{}/{}", key.0, key.1), error = %e, "reconcile failed; retrying with backoff");

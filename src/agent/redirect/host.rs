@@ -251,14 +251,32 @@ impl HostProbe {
     /// Adds (upserts) the pod's addresses with comment `uid`, in one transaction (spec §3.5 step 5):
     /// an address already present, even with another pod's UID, ends up with `uid`. Addresses are
     /// treated as in [`HostProbe::sync`]. Nothing to add sends nothing.
+    ///
+    /// Only an address the sets hold with another comment is deleted and added again (a delete
+    /// makes the kernel wait for an RCU grace period, about 10 ms); a new address is just added,
+    /// one already held by `uid` is left as it is.
     pub fn add_pod(&self, uid: &str, ips: &[IpAddr]) -> Result<(), HostProbeError> {
+        let usable: Vec<IpAddr> = self.usable(ips).collect();
+        if usable.is_empty() {
+            return Ok(());
+        }
+        let present = self.entries()?;
         let mut b = Batch::new();
-        for ip in self.usable(ips) {
+        for ip in usable {
             let el = set_elems(set_name(&ip), vec![SetElem::addr(ip, Some(uid.to_owned()))]);
-            // Add (no-op if present) + delete + add: replaces an existing element's comment.
-            b.push(Command::AddSetElems(el.clone()))
-                .push(Command::DelSetElems(el.clone()))
-                .push(Command::AddSetElems(el));
+            match present.iter().find(|e| e.ip == ip) {
+                None => {
+                    b.push(Command::AddSetElems(el));
+                }
+                Some(e) if e.uid.as_deref() == Some(uid) => {}
+                Some(_) => {
+                    b.push(Command::DelSetElems(el.clone()))
+                        .push(Command::AddSetElems(el));
+                }
+            }
+        }
+        if b.commands().is_empty() {
+            return Ok(());
         }
         Ok(b.commit()?)
     }

@@ -20,6 +20,11 @@ const ISTIO_PREROUTING: &str = "istio-prerouting";
 const ISTIO_OUTPUT: &str = "istio-output";
 
 const LOOPBACK: &str = "lo";
+/// Priority of the nat base chains: one before `dstnat` (-100, istio-cni's choice), so the redirect
+/// runs before any nat chain a pod registers at the standard priority, whatever the order of
+/// registration (the kernel runs same-priority chains newest first, and only the first nat
+/// verdict of a connection counts). Still after mangle (-150), as in istio-cni.
+pub(crate) const NAT_PRIORITY: i32 = -101;
 /// The port DNS servers answer on (what DNS capture redirects).
 const DNS_SERVICE_PORT: u16 = 53;
 
@@ -256,8 +261,11 @@ fn nat_table(plan: &RedirectPlan) -> TableSpec {
     TableSpec {
         name: NAT_TABLE,
         base: [
-            (PREROUTING, hook(ChainType::Nat, Hook::Prerouting, -100)),
-            (OUTPUT, hook(ChainType::Nat, Hook::Output, -100)),
+            (
+                PREROUTING,
+                hook(ChainType::Nat, Hook::Prerouting, NAT_PRIORITY),
+            ),
+            (OUTPUT, hook(ChainType::Nat, Hook::Output, NAT_PRIORITY)),
         ],
         rules,
     }

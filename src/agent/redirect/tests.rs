@@ -128,9 +128,23 @@ fn istio_plan(stem: &str, ipv6: bool) -> RedirectPlan {
     node(ipv6, global_dns).for_pod(&pod)
 }
 
+/// `line` with our one deliberate difference from istio-cni undone: the nat base chains run at
+/// [`rules::NAT_PRIORITY`] where istio-cni uses `dstnat` (-100).
+fn as_istio_priority(line: String) -> String {
+    let ours = format!("priority {} ;", rules::NAT_PRIORITY);
+    if line.contains("{ type nat hook ") && line.ends_with(&format!("{ours} }}")) {
+        line.replace(&ours, "priority -100 ;")
+    } else {
+        line
+    }
+}
+
 /// Where `plan`'s script first differs from Istio's `golden` (normalized), if anywhere.
 fn istio_mismatch(plan: &RedirectPlan, golden: &str) -> Option<String> {
-    let ours = normalize(&render_script(plan));
+    let ours: Vec<String> = normalize(&render_script(plan))
+        .into_iter()
+        .map(as_istio_priority)
+        .collect();
     let theirs = normalize(&istio_golden(golden));
     for (i, (a, b)) in ours.iter().zip(&theirs).enumerate() {
         if a != b {
@@ -293,6 +307,23 @@ fn ingress_mode_keeps_dns_capture_when_it_is_on() {
     assert!(!s.contains("ip saddr"), "{s}");
     assert!(s.contains("udp dport 53 counter redirect to :15053"), "{s}");
     assert!(s.contains("add table inet istio-ambient-raw"), "{s}");
+}
+
+#[test]
+fn nat_chains_run_before_dstnat_and_the_rest_at_istio_priorities() {
+    let script = render_script(&node(true, true));
+    let chains: Vec<&str> = script.lines().filter(|l| l.contains("{ type ")).collect();
+    assert_eq!(chains.len(), 6, "{script}");
+    for line in chains {
+        let want = if line.contains("type nat") {
+            "priority -101 ;"
+        } else if line.contains("istio-ambient-mangle") {
+            "priority -150 ;"
+        } else {
+            "priority -300 ;"
+        };
+        assert!(line.contains(want), "{line}");
+    }
 }
 
 #[test]

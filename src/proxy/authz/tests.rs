@@ -450,6 +450,7 @@ fn a_namespace_policy_without_namespace_and_a_named_one_apply_as_in_ztunnel() {
 #[test]
 fn a_pod_without_its_record_is_refused_while_its_namespace_has_selector_policies() {
     let handoff = Workload::from_handoff(
+        "cluster.local",
         "pod-uid",
         "late",
         "default",

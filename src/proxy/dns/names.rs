@@ -319,7 +319,7 @@ mod tests {
     #[test]
     fn addresses_are_the_queried_family_on_the_clients_network() {
         let idx = index(MESH);
-        let client = Workload::from_handoff("u", "client", "ns1", "sa", vec![]);
+        let client = Workload::from_handoff("cluster.local", "u", "client", "ns1", "sa", vec![]);
         let pp = find(&idx, "productpage").expect("match");
         assert_eq!(
             pp.addresses(&client, false),
@@ -341,7 +341,7 @@ mod tests {
     fn workload_hostnames_resolve_to_the_workloads_ips() {
         let idx = index(MESH);
         let m = find(&idx, "db-0.db.ns1.svc.cluster.local").expect("workload host");
-        let client = Workload::from_handoff("u", "client", "ns1", "sa", vec![]);
+        let client = Workload::from_handoff("cluster.local", "u", "client", "ns1", "sa", vec![]);
         assert!(matches!(m.target, Target::Workload(_)));
         assert_eq!(
             m.addresses(&client, false),

@@ -55,6 +55,7 @@ async fn harness(upstream: Vec<SocketAddr>) -> Harness {
         pool: crate::proxy::pool::PoolConfig::default(),
         local: Default::default(),
         dns: Some(dns.clone()),
+        trust_domain: "cluster.local".into(),
     });
     let sockets =
         PodSockets::new(&Netns::current().expect("netns"), PacketMark::DEFAULT).expect("sockets");
@@ -315,5 +316,44 @@ async fn a_response_sent_as_a_request_gets_formerr_and_runts_are_dropped() {
             .await
             .is_err(),
         "no reply to a runt"
+    );
+}
+
+#[tokio::test]
+async fn a_tcp_upstream_that_closes_with_queries_pending_gets_them_servfail() {
+    // reads two queries, then closes without answering
+    let upstream = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = upstream.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = upstream.accept().await {
+            for _ in 0..2 {
+                let _ = forward::read_frame(&mut s).await;
+            }
+        }
+    });
+    let h = harness(vec![addr]).await;
+    let asked = [
+        query(21, "one.example.org.", RecordType::A),
+        query(22, "two.example.org.", RecordType::AAAA),
+    ];
+    let mut ids: Vec<u16> = ask_tcp(h.tcp, &asked)
+        .await
+        .iter()
+        .map(|reply| {
+            let m = Message::from_vec(reply).expect("decode");
+            assert_eq!(m.metadata.response_code, ResponseCode::ServFail);
+            m.metadata.id
+        })
+        .collect();
+    ids.sort_unstable();
+    assert_eq!(ids, [21, 22]);
+    let text = h.ctx.metrics.render();
+    assert!(
+        text.contains(
+            "istio_dns_upstream_failures_total{request_query_type=\"aaaa\",request_protocol=\"tcp\""
+        ),
+        "{text}"
     );
 }

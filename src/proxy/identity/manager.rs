@@ -65,6 +65,17 @@ pub enum CertSource {
     },
 }
 
+/// One identity's certificate as [`CertManager::certificate_states`] reports it.
+#[derive(Clone)]
+pub enum CertState {
+    /// Issued (it may be due for refresh).
+    Available(Arc<WorkloadCert>),
+    /// Requested, nothing issued yet.
+    Initializing,
+    /// Requested, and the last fetch failed with this error.
+    Unavailable(String),
+}
+
 /// Tunables of a [`CertManager`]; [`CertOptions::new`] gives the defaults.
 #[derive(Clone)]
 pub struct CertOptions {
@@ -420,6 +431,26 @@ impl CertManager {
             .collect();
         certs.sort_by(|a, b| a.identity.cmp(&b.identity));
         certs
+    }
+
+    /// Every identity the cache holds with its state, sorted by identity (ztunnel's
+    /// `CertState` in `/config_dump`): a certificate is `Available`; none yet is `Initializing`,
+    /// or `Unavailable` with the last fetch error.
+    pub fn certificate_states(&self) -> Vec<(Identity, CertState)> {
+        let mut v: Vec<_> = self
+            .lock()
+            .iter()
+            .map(|(id, e)| {
+                let state = match (&e.cert, &e.last_error) {
+                    (Some(c), _) => CertState::Available(c.clone()),
+                    (None, Some(err)) => CertState::Unavailable(err.to_string()),
+                    (None, None) => CertState::Initializing,
+                };
+                (id.clone(), state)
+            })
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
     }
 
     /// The trusted roots as PEM (the built-in CA's root first).
