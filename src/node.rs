@@ -111,7 +111,6 @@ pub async fn run(
     .await?;
     let mut quit = serve_admin(
         &cfg.proxy,
-        state,
         proxy.manager.clone(),
         Some(agent.pods.clone()),
         ready,
@@ -201,7 +200,6 @@ pub async fn run_proxy(
     let connection = ready.register(ZDS_CONNECTION_TASK);
     let mut quit = serve_admin(
         &cfg,
-        state,
         proxy.manager.clone(),
         None,
         ready,
@@ -300,11 +298,11 @@ async fn quitting(quit: &mut watch::Receiver<bool>) {
     }
 }
 
-/// Serves the admin, readiness and metrics endpoints until `stop`; returns the receiver that
-/// turns true on `POST /quitquitquit`.
+/// Serves the admin, readiness and metrics endpoints (of the proxy's workload state, and of the
+/// metrics in `registry` with the proxy's and the agent's added) until `stop`; returns the
+/// receiver that turns true on `POST /quitquitquit`.
 async fn serve_admin(
     cfg: &ProxyConfig,
-    state: StateHandle,
     proxies: Arc<ProxyManager>,
     pods: Option<Arc<PodManager>>,
     ready: Readiness,
@@ -319,7 +317,7 @@ async fn serve_admin(
     crate::metrics::register_build(&mut registry, env!("CARGO_PKG_VERSION"));
     let (quit, quit_rx) = watch::channel(false);
     let admin = admin::Admin {
-        state,
+        state: proxies.ctx().state.clone(),
         proxies,
         pods,
         ready,

@@ -473,7 +473,10 @@ fn the_access_log_has_ztunnels_fields_for_both_directions() {
             .unwrap_or_else(|| panic!("duration in ms: {line}"));
         assert!(ms.parse::<u64>().is_ok(), "{line}");
         // ztunnel's plain line: time, level, scope, message, fields, tab-separated
-        assert!(line.contains("\tinfo\taccess\tconnection complete\t"), "{line}");
+        assert!(
+            line.contains("\tinfo\taccess\tconnection complete\t"),
+            "{line}"
+        );
     }
     // a second connection finds no app listening (the echo served one): logged failed, with its
     // error and the same fields
