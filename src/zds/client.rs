@@ -384,7 +384,10 @@ mod tests {
             }))
         };
         assert!(matches!(check_request(&add(true), 1), Ok(Payload::Add(_))));
-        assert!(matches!(check_request(&add(true), 0), Err(ClientError::NoFd { .. })));
+        assert!(matches!(
+            check_request(&add(true), 0),
+            Err(ClientError::NoFd { .. })
+        ));
         assert!(matches!(
             check_request(&add(true), 2),
             Err(ClientError::TooManyFds { count: 2, .. })
