@@ -431,15 +431,20 @@ mod tests {
                 .await
                 .expect("server handshake");
             let peer: SocketAddr = "10.0.0.2:40000".parse().expect("addr");
-            serve_streams(conn, peer, std::future::pending(), move |_req, mut respond| {
-                let (alive, sensor) = tokio::sync::oneshot::channel::<()>();
-                let _ = sensors_tx.send(sensor);
-                async move {
-                    let _alive = alive;
-                    let _send = respond.send_response(Response::new(()), false);
-                    std::future::pending::<()>().await
-                }
-            })
+            serve_streams(
+                conn,
+                peer,
+                std::future::pending(),
+                move |_req, mut respond| {
+                    let (alive, sensor) = tokio::sync::oneshot::channel::<()>();
+                    let _ = sensors_tx.send(sensor);
+                    async move {
+                        let _alive = alive;
+                        let _send = respond.send_response(Response::new(()), false);
+                        std::future::pending::<()>().await
+                    }
+                },
+            )
             .await
         });
         let (client, conn) = crate::proxy::hbone::client_builder()

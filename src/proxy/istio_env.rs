@@ -554,7 +554,14 @@ mod tests {
         assert!(!e.port_reuse);
         assert!(e.unsupported().is_empty(), "{:?}", e.unsupported());
         // from Kubernetes' grace period: 5 s (1 s when short) left for the forced close
-        for (grace, want) in [("30", 25), ("11", 6), ("10", 9), ("2", 1), ("1", 1), ("0", 1)] {
+        for (grace, want) in [
+            ("30", 25),
+            ("11", 6),
+            ("10", 9),
+            ("2", 1),
+            ("1", 1),
+            ("0", 1),
+        ] {
             let e = env(&[("TERMINATION_GRACE_PERIOD_SECONDS", grace)]).expect("env");
             assert_eq!(e.termination_deadline, Duration::from_secs(want), "{grace}");
         }

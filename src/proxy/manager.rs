@@ -252,7 +252,11 @@ impl ProxyManager {
         for (_, p) in &pods {
             p.drain.start();
         }
-        tracing::info!(pods = pods.len(), ?deadline, "draining: listeners closed, open connections may finish");
+        tracing::info!(
+            pods = pods.len(),
+            ?deadline,
+            "draining: listeners closed, open connections may finish"
+        );
         Draining {
             ctx: self.ctx.clone(),
             pods,
@@ -419,9 +423,16 @@ impl Draining {
             ctx.certs.release(&p.identity);
         }
         if timed_out {
-            tracing::warn!(drained = report.drained, forced = report.forced, "drain deadline expired with open connections; closed them");
+            tracing::warn!(
+                drained = report.drained,
+                forced = report.forced,
+                "drain deadline expired with open connections; closed them"
+            );
         } else {
-            tracing::info!(pods = report.drained, "drain complete: every connection ended");
+            tracing::info!(
+                pods = report.drained,
+                "drain complete: every connection ended"
+            );
         }
         report
     }

@@ -476,7 +476,10 @@ mod tests {
         let socks = PodSockets::new(&ns, PacketMark::DEFAULT)
             .expect("socket thread")
             .with_port_reuse(true);
-        let first = socks.listen_at("127.0.0.1:0".parse().expect("addr")).await.expect("tcp");
+        let first = socks
+            .listen_at("127.0.0.1:0".parse().expect("addr"))
+            .await
+            .expect("tcp");
         let at = first.local_addr().expect("addr");
         let second = socks.listen_at(at).await.expect("tcp again");
         let _c = tokio::net::TcpStream::connect(at).await.expect("connect");
@@ -484,16 +487,22 @@ mod tests {
             .await
             .expect("newest accepts")
             .expect("accept");
-        let u1 = socks.udp_bind("127.0.0.1:0".parse().expect("addr")).await.expect("udp");
+        let u1 = socks
+            .udp_bind("127.0.0.1:0".parse().expect("addr"))
+            .await
+            .expect("udp");
         let uat = u1.local_addr().expect("addr");
         let u2 = socks.udp_bind(uat).await.expect("udp again");
-        let client = tokio::net::UdpSocket::bind("127.0.0.1:0").await.expect("client");
+        let client = tokio::net::UdpSocket::bind("127.0.0.1:0")
+            .await
+            .expect("client");
         client.send_to(b"q", uat).await.expect("send");
         let mut buf = [0u8; 8];
-        let (n, _) = tokio::time::timeout(std::time::Duration::from_secs(5), u2.recv_from(&mut buf))
-            .await
-            .expect("newest gets the datagram")
-            .expect("recv");
+        let (n, _) =
+            tokio::time::timeout(std::time::Duration::from_secs(5), u2.recv_from(&mut buf))
+                .await
+                .expect("newest gets the datagram")
+                .expect("recv");
         assert_eq!(&buf[..n], b"q");
     }
 
