@@ -2,14 +2,14 @@
 //! shutdown"). With connections open between two enrolled pods, readiness answers 500 at once,
 //! no new connection is accepted, connections that end within `CONNECTION_TERMINATION_DEADLINE`
 //! flow on to their clean end, those still open at the deadline are closed then, and the process
-//! exits 0.
+//! exits 0. `POST /quitquitquit` drains the same way.
 
 mod common;
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use common::lifecycle::{Stream, echo_server, readiness, sigterm, wait_exit};
+use common::lifecycle::{Stream, echo_server, quitquitquit, readiness, sigterm, wait_exit};
 use common::node::MeshNode;
 use ztnode::lab::Lab;
 use ztnode::netns::Netns;
@@ -130,4 +130,43 @@ fn sigterm_drains_open_connections_until_the_deadline() {
         "every finished connection is logged: {complete}"
     );
     capture.check(&[node.client.ip, node.server.ip], &[b"drain-secret"]);
+}
+
+#[test]
+fn quitquitquit_drains_like_sigterm() {
+    if !common::privileged("quitquitquit_drains_like_sigterm") {
+        return;
+    }
+    let mut node = MeshNode::start(&common::prefix("e2q"));
+    node.wait_log(&["workload proxy manager ready"], Duration::from_secs(10));
+    let client_ns = Netns::open(&node.client.netns_path).expect("client netns");
+    let server_ns = Netns::open(&node.server.netns_path).expect("server netns");
+    let app = SocketAddr::new(node.server.ip, 8080);
+    echo_server(&server_ns, app);
+    let mut open = Stream::open(&client_ns, app);
+    open.exchange("quit").expect("before");
+    let status = quitquitquit(&node.lab).expect("quitquitquit");
+    assert!(status.contains(" 200 "), "{status}");
+    node.wait_log(&["draining: listeners closed"], Duration::from_secs(5));
+    let (status, body) = readiness(&node.lab).expect("readiness during the drain");
+    assert!(
+        status.contains(" 500 ") && body.contains("draining"),
+        "{status}: {body}"
+    );
+    for _ in 0..10 {
+        open.exchange("quit")
+            .expect("the open connection flows during the drain");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        node.process.0.try_wait().expect("try_wait").is_none(),
+        "the node waits for its open connection"
+    );
+    open.finish().expect("ends cleanly");
+    let (status, _) = wait_exit(&mut node.process, Duration::from_secs(10));
+    assert!(status.success(), "exit status {status}");
+    node.wait_log(
+        &["drain complete: every connection ended"],
+        Duration::from_secs(1),
+    );
 }

@@ -235,3 +235,19 @@ pub fn readiness(lab: &Lab) -> Result<(String, String), String> {
     let body = resp.split("\r\n\r\n").nth(1).unwrap_or_default().to_owned();
     Ok((status, body))
 }
+
+/// `POST /quitquitquit` on the admin port (`127.0.0.1:15000`) from inside the lab node: the
+/// status line.
+pub fn quitquitquit(lab: &Lab) -> Result<String, String> {
+    let addr: SocketAddr = "127.0.0.1:15000".parse().expect("addr");
+    let mut s = Lab::connect_from(lab.node(), addr).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))
+        .map_err(|e| e.to_string())?;
+    s.write_all(
+        b"POST /quitquitquit HTTP/1.1\r\nHost: localhost\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+    )
+    .map_err(|e| e.to_string())?;
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).map_err(|e| e.to_string())?;
+    Ok(resp.lines().next().unwrap_or_default().to_owned())
+}
