@@ -15,7 +15,7 @@ use ztnode::lab::Lab;
 use ztnode::netns::Netns;
 
 /// The drain deadline the node runs with here.
-const DEADLINE: Duration = Duration::from_secs(3);
+const DEADLINE: Duration = Duration::from_secs(4);
 /// Connections that end on their own during the drain.
 const FINISHING: usize = 40;
 /// Connections that outlive the deadline.
@@ -30,7 +30,7 @@ fn sigterm_drains_open_connections_until_the_deadline() {
         &common::prefix("e2d"),
         "",
         &[],
-        &[("CONNECTION_TERMINATION_DEADLINE", "3s")],
+        &[("CONNECTION_TERMINATION_DEADLINE", "4s")],
     );
     node.wait_log(&["workload proxy manager ready"], Duration::from_secs(10));
     let client_ns = Netns::open(&node.client.netns_path).expect("client netns");

@@ -41,6 +41,38 @@ fn wait_ready(lab: &Lab) {
     }
 }
 
+/// Outbound connections to `app` the process logging to `log` has completed.
+fn completed(log: &Path, app: SocketAddr) -> usize {
+    let dst = format!("dst.addr={app}");
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| {
+            l.contains("connection complete")
+                && l.contains("direction=\"outbound\"")
+                && l.contains(&dst)
+        })
+        .count()
+}
+
+/// Once the new process listens, the old one (logging to `old_log`) gets no new connection:
+/// those it had in flight end, and then its count stays while the loop goes on.
+fn old_process_gets_nothing_new(looping: &ConnectLoop, old_log: &Path, app: SocketAddr) {
+    std::thread::sleep(Duration::from_millis(300));
+    let before = completed(old_log, app);
+    assert!(
+        before > 0,
+        "the old process carried the loop's first connections"
+    );
+    looping.wait_for_more(30, Duration::from_secs(10));
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(
+        completed(old_log, app),
+        before,
+        "new connections went to the old process while the new one listened"
+    );
+}
+
 /// Runs `old_stream` on during the drain of the old process, then closes it: it must stay intact.
 fn finish_during_drain(mut old_stream: Stream) {
     for _ in 0..10 {
@@ -99,7 +131,7 @@ fn a_node_process_is_replaced_without_a_failed_connection() {
         Duration::from_secs(10),
     );
     wait_ready(&node.lab);
-    looping.wait_for_more(10, Duration::from_secs(10));
+    old_process_gets_nothing_new(&looping, &node.log, app);
 
     // the old one drains
     sigterm(&node.process);
@@ -236,7 +268,7 @@ fn a_proxy_process_is_replaced_under_its_agent_without_a_failed_connection() {
         &["snapshot sent", "pods=2"],
         Duration::from_secs(5),
     );
-    looping.wait_for_more(10, Duration::from_secs(10));
+    old_process_gets_nothing_new(&looping, &log1, app);
 
     // the old one drains
     sigterm(&old);
