@@ -695,6 +695,45 @@ mod tests {
         assert_eq!(asked, ["spiffe://corp.example/ns/default/sa/erin"]);
     }
 
+    #[tokio::test]
+    async fn a_draining_manager_refuses_new_pods() {
+        let state = crate::proxy::state::StateHandle::new(Default::default());
+        let certs = CertManager::remote(
+            Arc::new(Refusing),
+            Arc::new(TrustBundle::new(Vec::new(), &[])),
+            CertOptions::new(Duration::from_secs(3600)),
+        );
+        let ctx = Arc::new(ProxyContext {
+            state,
+            certs,
+            metrics: crate::proxy::metrics::Metrics::default(),
+            mark: crate::mesh::PacketMark::DEFAULT,
+            local: Default::default(),
+            pool: crate::proxy::pool::PoolConfig::default(),
+            dns: None,
+            trust_domain: "cluster.local".into(),
+        });
+        let manager = ProxyManager::new(ctx);
+        let draining = manager.start_drain(Duration::from_secs(5));
+        let info = WorkloadInfo {
+            name: "late".into(),
+            namespace: "default".into(),
+            service_account: "erin".into(),
+        };
+        let err = manager
+            .add("uid-late".into(), info, Netns::current().expect("netns"))
+            .await
+            .expect_err("refused while draining");
+        assert!(matches!(err, PodProxyError::Draining), "{err}");
+        assert_eq!(
+            draining.finish().await,
+            DrainReport {
+                drained: 0,
+                forced: 0
+            }
+        );
+    }
+
     #[test]
     fn config_dump_names_the_workload_info_as_ztunnel_does() {
         let status = PodStatus {
