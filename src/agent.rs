@@ -119,7 +119,7 @@ pub struct Agent {
     /// The pod table.
     pub pods: Arc<PodManager>,
     server_task: JoinHandle<()>,
-    sock_path: PathBuf,
+    sock_file: crate::runtime::socket_file::SocketFile,
     uninstall: Option<UninstallCheck>,
 }
 
@@ -211,6 +211,7 @@ pub async fn start(
     }
     let sock_path = plugin_socket_path(&cfg.run_dir);
     let listener = server::bind(&sock_path)?;
+    let sock_file = crate::runtime::socket_file::SocketFile::claim(&sock_path);
     let server_task = tokio::spawn(server::serve(
         listener,
         pods.clone(),
@@ -235,7 +236,7 @@ pub async fn start(
     Ok(Agent {
         pods,
         server_task,
-        sock_path,
+        sock_file,
         uninstall,
     })
 }
@@ -326,10 +327,11 @@ async fn repair_host_probe(
 
 impl Agent {
     /// Waits for the plugin server to stop (after the shutdown future resolved) and removes its
-    /// socket.
+    /// socket, unless a newer agent has bound the path meanwhile (an upgrade: then the plugin's
+    /// events already go there).
     pub async fn join(self) {
         let _ = self.server_task.await;
-        let _ = std::fs::remove_file(&self.sock_path);
+        self.sock_file.remove();
         if let Some(check) = self.uninstall {
             check.run().await;
         }

@@ -585,6 +585,8 @@ fn proxy_config(
             cluster_domain: p.cluster_domain.clone(),
         },
         trust_domain: env.trust_domain.clone(),
+        termination_deadline: env.termination_deadline,
+        port_reuse: env.port_reuse,
     }
 }
 

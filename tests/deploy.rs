@@ -285,6 +285,9 @@ fn env_names_come_from_the_sources() {
         "CA_ADDRESS",
         "ISTIO_META_CLUSTER_ID",
         "INSTANCE_IP",
+        "TERMINATION_GRACE_PERIOD_SECONDS",
+        "CONNECTION_TERMINATION_DEADLINE",
+        "INPOD_PORT_REUSE",
     ] {
         assert!(n.read_by_istio_env(name), "{name}");
     }
@@ -298,10 +301,7 @@ fn env_names_come_from_the_sources() {
     ] {
         assert!(n.read_by_ztnode(name), "{name}");
     }
-    for name in [
-        "TERMINATION_GRACE_PERIOD_SECONDS",
-        "CONNECTION_TERMINATION_DEADLINE",
-    ] {
+    for name in ["HTTP2_FRAME_SIZE", "CRL_PATH"] {
         assert!(n.ztunnel_ignored(name), "{name}");
         assert!(!n.read_by_istio_env(name), "{name} is listed, not read");
     }

@@ -636,7 +636,7 @@ pub fn istiod() -> Vec<Mutation> {
             env_push(r, "ISTIOD_ADDRESS", "istiod.istio-system.svc:15012")
         }),
         ("a ztunnel setting ztnode ignores", |r| {
-            env_push(r, "CONNECTION_TERMINATION_DEADLINE", "5s")
+            env_push(r, "HTTP2_FRAME_SIZE", "65536")
         }),
         ("on-demand xDS", |r| env_push(r, "XDS_ON_DEMAND", "true")),
     ];
