@@ -2,10 +2,12 @@
 //! ([`server`]), enrollment decisions ([`enroll`]), finding a pod's netns from procfs
 //! ([`netns_finder`]), in-pod redirection ([`redirect`]), the pod lifecycle that ties them together
 //! ([`pods`]) and the link that hands each enrolled pod's netns to the proxy ([`proxy_link`]).
+//! [`coexist`] refuses to start beside Istio's own istio-cni or ztunnel.
 //!
 //! [`start`] is the role's front door: it takes the enrollment policy, the link to the proxy and
 //! a shutdown future, and leaves the rest (which policy, which transport) to the caller.
 
+pub mod coexist;
 pub mod enroll;
 pub mod install;
 pub mod kube;
@@ -70,6 +72,9 @@ pub struct KubeMode {
     /// there means an upgrade or a reboot, so they stay (new pods fail closed until the next
     /// agent is up). Default `(POD_NAMESPACE, "ztnode")`.
     pub daemonset: (String, String),
+    /// Look the DaemonSet up on shutdown (default); `false` ([`ENV_DISABLE_SAFE_UPGRADE`]`=true`)
+    /// uninstalls on every shutdown.
+    pub safe_upgrade: bool,
 }
 
 /// Host probe rule attempts at start and the pause between them (istio-cni: 10 × 2 s, then the
@@ -131,6 +136,8 @@ struct UninstallCheck {
     daemonset: (String, String),
     install: Option<install::InstallConfig>,
     probe: Arc<redirect::host::HostProbe>,
+    /// `false`: every shutdown uninstalls ([`ENV_DISABLE_SAFE_UPGRADE`]).
+    safe_upgrade: bool,
 }
 
 /// Starts the agent: the pod manager handing pods to `proxy` after `source` enrolled them (pods
@@ -153,10 +160,12 @@ pub async fn start(
     });
     let socket_ready = ready.register(PLUGIN_SOCKET_TASK);
     let mut daemonset = (String::new(), String::new());
+    let mut safe_upgrade = true;
     let (policy, kube_mode): (Arc<dyn EnrollmentPolicy>, _) = match source {
         EnrollmentSource::Policy(p) => (p, None),
         EnrollmentSource::Kubernetes(mode) => {
             daemonset = mode.daemonset.clone();
+            safe_upgrade = mode.safe_upgrade;
             let client = kube::client(&mode.settings.access).await?;
             let (changes_tx, changes_rx) = tokio::sync::mpsc::unbounded_channel();
             let watches = Watches::start(client.clone(), &mode.settings.node_name, changes_tx);
@@ -191,6 +200,7 @@ pub async fn start(
             daemonset: daemonset.clone(),
             install: cfg.install.clone(),
             probe: probe.clone(),
+            safe_upgrade,
         });
         pods.set_host_probe(probe.clone());
         pods.sync_host_probe().await?;
@@ -337,25 +347,27 @@ impl Agent {
 }
 
 impl UninstallCheck {
-    /// After the agent stopped: removes what it installed on the host when its DaemonSet is gone
-    /// or being deleted; keeps everything when it is there or cannot be read (the safe side: pods
-    /// fail closed rather than start unmeshed). In-pod rules are never removed here.
+    /// After the agent stopped: removes what it installed on the host on a real uninstall (see
+    /// [`ShutdownLookup::is_uninstall`]; always when safe upgrade is off), keeps everything on an
+    /// upgrade or reboot. In-pod rules are never removed here.
     async fn run(self) {
         let (ns, name) = &self.daemonset;
-        let api: ::kube::Api<k8s_openapi::api::apps::v1::DaemonSet> =
-            ::kube::Api::namespaced(self.client.clone(), ns);
-        let found = tokio::time::timeout(UNINSTALL_CHECK_TIMEOUT, api.get_opt(name))
-            .await
-            .map_err(|_| "the API server did not answer".to_owned())
-            .and_then(|r| r.map_err(|e| e.to_string()));
-        if let Err(e) = &found {
-            tracing::warn!(daemonset = %format!("{ns}/{name}"), error = %e, "cannot tell an uninstall from an upgrade; keeping the plugin and host rules");
+        let ds = format!("{ns}/{name}");
+        if self.safe_upgrade {
+            let lookup = self.lookup().await;
+            if let ShutdownLookup::Failed(e) = &lookup {
+                tracing::warn!(daemonset = %ds, error = %e, "cannot tell an uninstall from an upgrade; keeping the plugin and host rules");
+            }
+            if !lookup.is_uninstall() {
+                tracing::info!(daemonset = %ds, ?lookup, "upgrade or reboot: the plugin and host rules stay");
+                return;
+            }
+            tracing::info!(daemonset = %ds, ?lookup, "uninstall: removing the plugin and the host rules");
+        } else {
+            tracing::info!(
+                "{ENV_DISABLE_SAFE_UPGRADE}=true: removing the plugin and the host rules"
+            );
         }
-        if !is_uninstall(&found) {
-            tracing::info!(daemonset = %format!("{ns}/{name}"), "upgrade or reboot: the plugin and host rules stay");
-            return;
-        }
-        tracing::info!(daemonset = %format!("{ns}/{name}"), "DaemonSet gone: uninstalling the plugin and the host rules");
         if let Some(icfg) = self.install {
             let res = tokio::task::spawn_blocking(move || install::uninstall(&icfg)).await;
             if let Ok(Err(e)) = res {
@@ -369,15 +381,56 @@ impl UninstallCheck {
             Err(_) => tracing::warn!("removing the host probe rules failed (worker task)"),
         }
     }
+
+    /// GETs the agent's DaemonSet (bounded by [`UNINSTALL_CHECK_TIMEOUT`]).
+    async fn lookup(&self) -> ShutdownLookup {
+        let (ns, name) = &self.daemonset;
+        let api: ::kube::Api<k8s_openapi::api::apps::v1::DaemonSet> =
+            ::kube::Api::namespaced(self.client.clone(), ns);
+        match tokio::time::timeout(UNINSTALL_CHECK_TIMEOUT, api.get_opt(name)).await {
+            Err(_) => ShutdownLookup::Failed("the API server did not answer".into()),
+            Ok(Ok(None)) => ShutdownLookup::Gone,
+            Ok(Ok(Some(ds))) if ds.metadata.deletion_timestamp.is_some() => {
+                ShutdownLookup::Deleting
+            }
+            Ok(Ok(Some(_))) => ShutdownLookup::Present,
+            Ok(Err(::kube::Error::Api(s))) if s.code == 401 || s.code == 403 => {
+                ShutdownLookup::Denied(s.code)
+            }
+            Ok(Err(e)) => ShutdownLookup::Failed(e.to_string()),
+        }
+    }
 }
 
-/// Whether the lookup of the agent's DaemonSet says uninstall: gone, or being deleted. An error
-/// says no (keep everything: pods fail closed).
-fn is_uninstall(found: &Result<Option<k8s_openapi::api::apps::v1::DaemonSet>, String>) -> bool {
-    match found {
-        Ok(None) => true,
-        Ok(Some(ds)) => ds.metadata.deletion_timestamp.is_some(),
-        Err(_) => false,
+/// Env of istio-cni: `true` makes every shutdown an uninstall (no DaemonSet lookup).
+pub const ENV_DISABLE_SAFE_UPGRADE: &str = "AMBIENT_DISABLE_SAFE_UPGRADE";
+
+/// What the shutdown's lookup of the agent's own DaemonSet found (istio-cni's
+/// `ShouldStopCleanup`, `../shared/spec/istio-cni.md` §3.10).
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum ShutdownLookup {
+    /// There and not being deleted: an upgrade, or the node reboots.
+    Present,
+    /// Being deleted (`deletionTimestamp` set).
+    Deleting,
+    /// Not found.
+    Gone,
+    /// 401 or 403: the agent's token or its grant is gone, as `kubectl delete` of the manifests
+    /// removes the ServiceAccount and RBAC with the DaemonSet (istio-cni: Unauthorized).
+    Denied(u16),
+    /// Anything else (unreachable, timeout, 5xx).
+    Failed(String),
+}
+
+impl ShutdownLookup {
+    /// Whether this is a real uninstall: gone, being deleted, or access denied. A failed lookup
+    /// says no: everything stays and new pods fail closed (istio-cni, outside its istio-owned
+    /// config mode, cleans up after a failed lookup instead; ztnode prefers closed over open).
+    fn is_uninstall(&self) -> bool {
+        matches!(
+            self,
+            ShutdownLookup::Gone | ShutdownLookup::Deleting | ShutdownLookup::Denied(_)
+        )
     }
 }
 
@@ -387,18 +440,14 @@ const UNINSTALL_CHECK_TIMEOUT: std::time::Duration = std::time::Duration::from_s
 #[cfg(test)]
 mod tests {
     use super::*;
-    use k8s_openapi::api::apps::v1::DaemonSet;
 
     #[test]
-    fn only_a_gone_or_deleted_daemonset_means_uninstall() {
-        assert!(is_uninstall(&Ok(None)));
-        assert!(!is_uninstall(&Ok(Some(DaemonSet::default()))));
-        let mut deleting = DaemonSet::default();
-        deleting.metadata.deletion_timestamp =
-            Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
-                k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
-            ));
-        assert!(is_uninstall(&Ok(Some(deleting))));
-        assert!(!is_uninstall(&Err("unreachable".into())));
+    fn gone_deleted_or_denied_means_uninstall() {
+        assert!(ShutdownLookup::Gone.is_uninstall());
+        assert!(ShutdownLookup::Deleting.is_uninstall());
+        assert!(ShutdownLookup::Denied(401).is_uninstall());
+        assert!(ShutdownLookup::Denied(403).is_uninstall());
+        assert!(!ShutdownLookup::Present.is_uninstall());
+        assert!(!ShutdownLookup::Failed("unreachable".into()).is_uninstall());
     }
 }

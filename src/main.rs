@@ -197,7 +197,8 @@ enum Cmd {
         #[command(flatten)]
         dirs: HostDirs,
     },
-    /// Reverse `install`.
+    /// Reverse `install` and remove the host rules: the plugin's config entry, binary and
+    /// kubeconfig, and the host probe SNAT table. In-pod rules stay (as on any shutdown).
     Uninstall {
         #[command(flatten)]
         dirs: HostDirs,
@@ -319,6 +320,7 @@ fn run(cmd: Cmd) -> anyhow::Result<i32> {
         }
         Cmd::Agent(a) => {
             runtime::init_tracing();
+            ztnode::agent::coexist::check(&a.agent.dirs.cni_conf_dir, &a.zds_socket)?;
             let kube = kube_mode(&a.agent)?;
             let cfg = agent_config(&a.agent, &a.mesh, &kube)?;
             let config = local_config(a.config, &kube)?;
@@ -340,6 +342,9 @@ fn run(cmd: Cmd) -> anyhow::Result<i32> {
         Cmd::Uninstall { dirs } => {
             runtime::init_tracing();
             ztnode::agent::install::uninstall(&install_config(&dirs)?)?;
+            // The host probe SNAT table (Kubernetes mode's host rules); the kubelet UID only
+            // shapes the rules, removal deletes the whole table.
+            ztnode::agent::redirect::host::HostProbe::new(0).remove()?;
             Ok(0)
         }
         Cmd::Doctor {
@@ -409,6 +414,7 @@ fn run(cmd: Cmd) -> anyhow::Result<i32> {
             proxy,
         } => {
             runtime::init_tracing();
+            ztnode::agent::coexist::check(&agent.dirs.cni_conf_dir, &istio_zds_socket())?;
             runtime::raise_nofile_limit();
             let kube = kube_mode(&agent)?;
             let env = istio_env(&config)?;
@@ -424,6 +430,15 @@ fn run(cmd: Cmd) -> anyhow::Result<i32> {
             Ok(0)
         }
     }
+}
+
+/// Where Istio's istio-cni agent would serve ZDS for ztunnel (`ZTUNNEL_UDS_ADDRESS`, default
+/// [`mesh::DEFAULT_ZDS_SOCKET`]); `ztnode node` serves none but refuses to start when something
+/// answers there.
+fn istio_zds_socket() -> PathBuf {
+    std::env::var_os("ZTUNNEL_UDS_ADDRESS")
+        .filter(|v| !v.is_empty())
+        .map_or_else(|| mesh::DEFAULT_ZDS_SOCKET.into(), PathBuf::from)
 }
 
 fn agent_config(
@@ -477,8 +492,12 @@ fn kube_mode(a: &AgentOpts) -> anyhow::Result<Option<KubeMode>> {
         rules.own.namespace.clone(),
         std::env::var("ZTNODE_DAEMONSET").unwrap_or_else(|_| "ztnode".into()),
     );
+    let safe_upgrade = std::env::var(ztnode::agent::ENV_DISABLE_SAFE_UPGRADE)
+        .map(|v| !v.eq_ignore_ascii_case("true"))
+        .unwrap_or(true);
     Ok(Some(KubeMode {
         daemonset,
+        safe_upgrade,
         settings: KubeSettings { access, node_name },
         rules,
         proc_root: a.proc_root.clone(),
