@@ -203,6 +203,11 @@ enum Cmd {
         #[command(flatten)]
         dirs: HostDirs,
     },
+    /// The built-in CA (standalone mode): `ca init` makes one root for every node.
+    Ca {
+        #[command(subcommand)]
+        cmd: CaCmd,
+    },
     /// Build a throwaway node on this machine and show HBONE between two pods (root).
     Demo {
         /// Keep going with more output.
@@ -281,6 +286,32 @@ enum Cmd {
     Cni,
     /// Print version and git commit.
     Version,
+}
+
+/// `ztnode ca …`.
+#[derive(Subcommand)]
+enum CaCmd {
+    /// Generate a new root (ECDSA P-256, 10 years) for all nodes to share: into a CA dir
+    /// (`root-cert.pem`, `ca-key.pem` 0600; never overwritten), or as a Secret manifest on stdout
+    /// for the standalone component (`ztnode ca init --secret-yaml | kubectl apply -f -`).
+    Init {
+        /// Write the CA files into this dir (the proxy's `--ca-dir`).
+        #[arg(
+            long,
+            required_unless_present = "secret_yaml",
+            conflicts_with = "secret_yaml"
+        )]
+        out: Option<PathBuf>,
+        /// Print a Secret holding both files instead.
+        #[arg(long)]
+        secret_yaml: bool,
+        /// The Secret's name.
+        #[arg(long, default_value = ztnode::node::ca_init::CA_SECRET_NAME, requires = "secret_yaml")]
+        name: String,
+        /// The Secret's namespace.
+        #[arg(long, default_value = ztnode::node::ca_init::CA_SECRET_NAMESPACE, requires = "secret_yaml")]
+        namespace: String,
+    },
 }
 
 /// The installer's settings for these dirs: this binary as the plugin, `kube-system` excluded.
@@ -380,6 +411,31 @@ fn run(cmd: Cmd) -> anyhow::Result<i32> {
                 print!("{}", report.render());
             }
             Ok(report.exit_code())
+        }
+        Cmd::Ca {
+            cmd:
+                CaCmd::Init {
+                    out,
+                    secret_yaml: _,
+                    name,
+                    namespace,
+                },
+        } => {
+            use ztnode::node::ca_init;
+            match out {
+                Some(dir) => {
+                    ca_init::write_dir(&dir)?;
+                    eprintln!(
+                        "wrote a new CA root to {}; give every node the same dir (--ca-dir)",
+                        dir.display()
+                    );
+                }
+                None => print!(
+                    "{}",
+                    ca_init::secret_manifest(&name, &namespace, &std::env::temp_dir())?
+                ),
+            }
+            Ok(0)
         }
         Cmd::Demo { verbose } => Ok(ztnode::lab::demo::run(verbose)),
         Cmd::Bench {

@@ -12,6 +12,7 @@
 //! when `shutdown` resolves (SIGTERM/SIGINT in `main`).
 
 pub mod admin;
+pub mod ca_init;
 pub mod doctor;
 
 use std::path::{Path, PathBuf};
