@@ -124,6 +124,9 @@ pub struct Agent {
     /// The pod table.
     pub pods: Arc<PodManager>,
     server_task: JoinHandle<()>,
+    /// The installer's repair loop: joined before the uninstall check, so that a repair in
+    /// progress cannot put the entry back after the uninstall removed it.
+    install_task: Option<JoinHandle<Result<(), install::InstallError>>>,
     sock_path: PathBuf,
     uninstall: Option<UninstallCheck>,
 }
@@ -229,6 +232,7 @@ pub async fn start(
     tracing::info!(socket = %sock_path.display(), "plugin event socket ready");
     socket_ready.done();
 
+    let mut install_task = None;
     if let Some(icfg) = cfg.install {
         match install::install(&icfg) {
             Ok(outcome) => tracing::info!(?outcome, "CNI plugin installed"),
@@ -240,11 +244,15 @@ pub async fn start(
             move || install::is_installed(&probe),
             stopped(stop_rx.clone()),
         ));
-        tokio::spawn(install::watch_and_repair(icfg, stopped(stop_rx)));
+        install_task = Some(tokio::spawn(install::watch_and_repair(
+            icfg,
+            stopped(stop_rx),
+        )));
     }
     Ok(Agent {
         pods,
         server_task,
+        install_task,
         sock_path,
         uninstall,
     })
@@ -335,11 +343,19 @@ async fn repair_host_probe(
 }
 
 impl Agent {
-    /// Waits for the plugin server to stop (after the shutdown future resolved) and removes its
-    /// socket.
+    /// Waits for the plugin server and the installer's repair loop to stop (after the shutdown
+    /// future resolved), removes the plugin socket, then in Kubernetes mode tells an uninstall
+    /// from an upgrade and cleans up after an uninstall.
     pub async fn join(self) {
         let _ = self.server_task.await;
         let _ = std::fs::remove_file(&self.sock_path);
+        if let Some(task) = self.install_task {
+            match task.await {
+                Ok(Err(e)) => tracing::warn!(error = %e, "the CNI install watcher had stopped"),
+                Err(_) => tracing::warn!("the CNI install watcher failed (task)"),
+                Ok(Ok(())) => {}
+            }
+        }
         if let Some(check) = self.uninstall {
             check.run().await;
         }
