@@ -137,6 +137,8 @@ struct UninstallCheck {
     client: ::kube::Client,
     /// The agent's own DaemonSet: `(namespace, name)`.
     daemonset: (String, String),
+    /// This node (`NODE_NAME`): the DaemonSet must still select it.
+    node_name: String,
     install: Option<install::InstallConfig>,
     probe: Arc<redirect::host::HostProbe>,
     /// `false`: every shutdown uninstalls ([`ENV_DISABLE_SAFE_UPGRADE`]).
@@ -163,12 +165,14 @@ pub async fn start(
     });
     let socket_ready = ready.register(PLUGIN_SOCKET_TASK);
     let mut daemonset = (String::new(), String::new());
+    let mut node_name = String::new();
     let mut safe_upgrade = true;
     let (policy, kube_mode): (Arc<dyn EnrollmentPolicy>, _) = match source {
         EnrollmentSource::Policy(p) => (p, None),
         EnrollmentSource::Kubernetes(mode) => {
             daemonset = mode.daemonset.clone();
             safe_upgrade = mode.safe_upgrade;
+            node_name = mode.settings.node_name.clone();
             let client = kube::client(&mode.settings.access).await?;
             let (changes_tx, changes_rx) = tokio::sync::mpsc::unbounded_channel();
             let watches = Watches::start(client.clone(), &mode.settings.node_name, changes_tx);
@@ -201,6 +205,7 @@ pub async fn start(
         uninstall = Some(UninstallCheck {
             client: client.clone(),
             daemonset: daemonset.clone(),
+            node_name,
             install: cfg.install.clone(),
             probe: probe.clone(),
             safe_upgrade,
@@ -409,11 +414,31 @@ impl UninstallCheck {
             Ok(Ok(Some(ds))) if ds.metadata.deletion_timestamp.is_some() => {
                 ShutdownLookup::Deleting
             }
+            Ok(Ok(Some(ds))) if kube::placement::constrains_nodes(&ds) => self.placement(&ds).await,
             Ok(Ok(Some(_))) => ShutdownLookup::Present,
             Ok(Err(::kube::Error::Api(s))) if s.code == 401 || s.code == 403 => {
                 ShutdownLookup::Denied(s.code)
             }
             Ok(Err(e)) => ShutdownLookup::Failed(e.to_string()),
+        }
+    }
+
+    /// The DaemonSet is there and constrains its nodes: does it still select this one? A node
+    /// that cannot be read counts as selected (keep everything).
+    async fn placement(&self, ds: &k8s_openapi::api::apps::v1::DaemonSet) -> ShutdownLookup {
+        let api: ::kube::Api<k8s_openapi::api::core::v1::Node> =
+            ::kube::Api::all(self.client.clone());
+        match tokio::time::timeout(UNINSTALL_CHECK_TIMEOUT, api.get(&self.node_name)).await {
+            Ok(Ok(node)) if !kube::placement::selects(ds, &node) => ShutdownLookup::NotThisNode,
+            Ok(Ok(_)) => ShutdownLookup::Present,
+            Ok(Err(e)) => {
+                tracing::warn!(node = %self.node_name, error = %e, "cannot read this node to match the DaemonSet's node selection; taking it as selected");
+                ShutdownLookup::Present
+            }
+            Err(_) => {
+                tracing::warn!(node = %self.node_name, "reading this node timed out; taking it as selected by the DaemonSet");
+                ShutdownLookup::Present
+            }
         }
     }
 }
@@ -429,6 +454,9 @@ enum ShutdownLookup {
     Present,
     /// Being deleted (`deletionTimestamp` set).
     Deleting,
+    /// There, but its `nodeSelector` or required node affinity no longer selects this node: its
+    /// pod leaves this node for good.
+    NotThisNode,
     /// Not found.
     Gone,
     /// 401 or 403: the agent's token or its grant is gone, as `kubectl delete` of the manifests
@@ -439,13 +467,17 @@ enum ShutdownLookup {
 }
 
 impl ShutdownLookup {
-    /// Whether this is a real uninstall: gone, being deleted, or access denied. A failed lookup
+    /// Whether this is a real uninstall: gone, being deleted, no longer selecting this node, or
+    /// access denied. A failed lookup
     /// says no: everything stays and new pods fail closed (istio-cni, outside its istio-owned
     /// config mode, cleans up after a failed lookup instead; ztnode prefers closed over open).
     fn is_uninstall(&self) -> bool {
         matches!(
             self,
-            ShutdownLookup::Gone | ShutdownLookup::Deleting | ShutdownLookup::Denied(_)
+            ShutdownLookup::Gone
+                | ShutdownLookup::Deleting
+                | ShutdownLookup::NotThisNode
+                | ShutdownLookup::Denied(_)
         )
     }
 }
@@ -461,6 +493,7 @@ mod tests {
     fn gone_deleted_or_denied_means_uninstall() {
         assert!(ShutdownLookup::Gone.is_uninstall());
         assert!(ShutdownLookup::Deleting.is_uninstall());
+        assert!(ShutdownLookup::NotThisNode.is_uninstall());
         assert!(ShutdownLookup::Denied(401).is_uninstall());
         assert!(ShutdownLookup::Denied(403).is_uninstall());
         assert!(!ShutdownLookup::Present.is_uninstall());

@@ -92,7 +92,7 @@ fn nodes_sharing_the_ca_secret_reach_each_other() {
     if !common::privileged("nodes_sharing_the_ca_secret_reach_each_other") {
         return;
     }
-    let (pa, pb) = (common::prefix("zt-caa"), common::prefix("zt-cab"));
+    let (pa, pb) = (common::prefix("casa"), common::prefix("casb"));
     let dir = std::env::temp_dir().join(format!("ztnode-e2e-ca-secret-{pa}"));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("dir");
@@ -118,7 +118,11 @@ fn nodes_sharing_the_ca_secret_reach_each_other() {
         .arg(&own_b)
         .output()
         .expect("ztnode ca init --out");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 
     let (run_a, run_b) = (dir.join("a/run"), dir.join("b/run"));
     let lab_a = lab(&pa, SUBNETS[0], &run_a);

@@ -2,10 +2,11 @@
 //! (`../shared/spec/istio-cni.md` §2.6, §3.10). `ztnode node` runs in a lab node with the installer
 //! on (temp CNI dirs), one enrolled pod, and the fake API server behind a small front that answers
 //! the agent's `GET` of its own DaemonSet as the test says (the fake serves no `apps` group).
-//! - DaemonSet there: an upgrade or a reboot, the plugin binary, its config entry, its kubeconfig
-//!   and the host probe table stay;
-//! - DaemonSet gone (the fake's own 404), being deleted, or the token refused (401): each host
-//!   artefact is removed;
+//! - DaemonSet there (and, with a `nodeSelector`, still selecting this node, read from the Node):
+//!   an upgrade or a reboot, the plugin binary, its config entry, its kubeconfig and the host
+//!   probe table stay;
+//! - DaemonSet gone (the fake's own 404), no longer selecting this node, being deleted, or the
+//!   token refused (401): each host artefact is removed;
 //! - every time, the enrolled pod keeps its in-pod rules.
 
 mod common;
@@ -39,6 +40,8 @@ enum Ds {
     /// Pass to the fake API server (404: it serves no `apps` group).
     Passthrough,
     Present,
+    /// There, with `nodeSelector: kubernetes.io/os: <os>` (this node is linux).
+    Selecting(&'static str),
     Deleting,
     Unauthorized,
 }
@@ -122,14 +125,26 @@ fn answer(c: &mut TcpStream, status: &str, body: &Value) -> std::io::Result<()> 
     )
 }
 
-fn daemonset(deleting: bool) -> Value {
+fn daemonset(deleting: bool, os: Option<&str>) -> Value {
     let mut meta = json!({"name": "ztnode", "namespace": "istio-system", "uid": "ds-uid", "resourceVersion": "1"});
     if deleting {
         meta["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
     }
+    let mut pod = json!({"containers": [{"name": "ztnode"}]});
+    if let Some(os) = os {
+        pod["nodeSelector"] = json!({"kubernetes.io/os": os});
+    }
     json!({"apiVersion": "apps/v1", "kind": "DaemonSet", "metadata": meta, "spec": {
         "selector": {"matchLabels": {"app": "ztnode"}},
-        "template": {"metadata": {"labels": {"app": "ztnode"}}, "spec": {"containers": [{"name": "ztnode"}]}}
+        "template": {"metadata": {"labels": {"app": "ztnode"}}, "spec": pod}
+    }})
+}
+
+/// This node as the API server has it (the fake serves only the nodes it was given).
+fn node_object(name: &str) -> Value {
+    json!({"apiVersion": "v1", "kind": "Node", "metadata": {
+        "name": name, "uid": "node-uid", "resourceVersion": "1",
+        "labels": {"kubernetes.io/os": "linux", "kubernetes.io/hostname": name}
     }})
 }
 
@@ -151,10 +166,16 @@ fn serve(
             .unwrap_or_default()
             .to_owned();
         let ds = *state.lock().expect("state");
-        if path.split('?').next() == Some(DS_PATH) && ds != Ds::Passthrough {
+        let bare = path.split('?').next().unwrap_or_default();
+        if let Some(name) = bare.strip_prefix("/api/v1/nodes/") {
+            answer(&mut client, "200 OK", &node_object(name))?;
+            continue;
+        }
+        if bare == DS_PATH && ds != Ds::Passthrough {
             match ds {
-                Ds::Present => answer(&mut client, "200 OK", &daemonset(false))?,
-                Ds::Deleting => answer(&mut client, "200 OK", &daemonset(true))?,
+                Ds::Present => answer(&mut client, "200 OK", &daemonset(false, None))?,
+                Ds::Selecting(os) => answer(&mut client, "200 OK", &daemonset(false, Some(os)))?,
+                Ds::Deleting => answer(&mut client, "200 OK", &daemonset(true, None))?,
                 _ => answer(
                     &mut client,
                     "401 Unauthorized",
@@ -243,7 +264,7 @@ fn sigterm_keeps_the_host_on_upgrade_and_cleans_it_on_uninstall() {
     if !common::privileged("sigterm_keeps_the_host_on_upgrade_and_cleans_it_on_uninstall") {
         return;
     }
-    let prefix = common::prefix("zt-un");
+    let prefix = common::prefix("unst");
     let dir = std::env::temp_dir().join(format!("ztnode-e2e-uninstall-{prefix}"));
     let _ = std::fs::remove_dir_all(&dir);
     let _remove = common::RemoveOnDrop(dir.clone());
@@ -343,10 +364,22 @@ fn sigterm_keeps_the_host_on_upgrade_and_cleans_it_on_uninstall() {
             "lookup=Present",
         ),
         (
+            Ds::Selecting("linux"),
+            [true; 4],
+            "DaemonSet there, selecting this node",
+            "lookup=Present",
+        ),
+        (
             Ds::Passthrough,
             [false; 4],
             "DaemonSet gone (404)",
             "lookup=Gone",
+        ),
+        (
+            Ds::Selecting("windows"),
+            [false; 4],
+            "DaemonSet no longer selecting this node",
+            "lookup=NotThisNode",
         ),
         (
             Ds::Deleting,
@@ -403,6 +436,10 @@ fn sigterm_keeps_the_host_on_upgrade_and_cleans_it_on_uninstall() {
         assert!(
             log.contains(logged),
             "{what}: the agent did not decide on {logged}; node log:\n{log}"
+        );
+        assert!(
+            !log.contains("cannot read this node"),
+            "{what}: the node was not read; node log:\n{log}"
         );
         assert!(captured(&pod), "{what}: the pod lost its in-pod rules");
         front.set(Ds::Passthrough);

@@ -39,7 +39,7 @@ struct Host {
 
 impl Host {
     fn new(tag: &str) -> Result<Host> {
-        let ns = format!("{}-{tag}", common::prefix("zt-lc"));
+        let ns = format!("{}-{tag}", common::prefix("lc"));
         let dir = std::env::temp_dir().join(&ns);
         let _ = fs::remove_dir_all(&dir);
         for d in ["bin", "net.d", "run"] {

@@ -142,6 +142,8 @@ fn check_rbac(r: &Rendered, p: &Platform) -> Result<()> {
         .flat_map(|v| [grant("", "pods", None, v), grant("", "namespaces", None, v)])
         .collect();
     want.insert(grant("", "pods/status", None, "patch"));
+    // On SIGTERM: does the DaemonSet's node selection still take this node?
+    want.insert(grant("", "nodes", None, "get"));
     if p.openshift {
         let scc = "securitycontextconstraints";
         want.insert(grant(
