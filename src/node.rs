@@ -21,6 +21,7 @@
 //! socket) are left alone on the way out.
 
 pub mod admin;
+pub mod ca_init;
 pub mod doctor;
 
 use std::path::{Path, PathBuf};
@@ -88,6 +89,15 @@ pub struct NodeConfig {
     pub proxy: ProxyConfig,
 }
 
+/// Polls `shutdown` once, before start-up: the signal handlers it installs on its first poll
+/// ([`crate::runtime::shutdown_signal`]) are then in place, so a SIGTERM during start-up ends in
+/// the normal shutdown (with the agent's uninstall check) instead of killing the process. Returns
+/// whether it already resolved.
+async fn arm(shutdown: std::pin::Pin<&mut impl std::future::Future<Output = ()>>) -> bool {
+    let mut shutdown = shutdown;
+    std::future::poll_fn(|cx| std::task::Poll::Ready(shutdown.as_mut().poll(cx).is_ready())).await
+}
+
 /// Runs agent and proxy in one process, joined by the in-process ZDS channel, until `shutdown`.
 pub async fn run(
     cfg: NodeConfig,
@@ -101,6 +111,8 @@ pub async fn run(
         cfg.node_name.clone(),
     );
     log_start("starting ztnode node", &run_config, cfg.kube.is_some());
+    let mut shutdown = std::pin::pin!(shutdown);
+    let stopped_early = arm(shutdown.as_mut()).await;
     anyhow::ensure!(
         cfg.agent.redirect.proxy_mark == cfg.proxy.packet_mark,
         "the in-pod rules must exclude the proxy's packet mark: rules {}, proxy {}",
@@ -133,9 +145,11 @@ pub async fn run(
     )
     .await?;
 
-    tokio::select! {
-        _ = shutdown => {}
-        _ = quitting(&mut quit) => {}
+    if !stopped_early {
+        tokio::select! {
+            _ = shutdown => {}
+            _ = quitting(&mut quit) => {}
+        }
     }
     let not_ready = ready.register(DRAINING_TASK);
     tracing::info!("shutting down: draining");
@@ -170,6 +184,8 @@ pub async fn run_agent(
         zds_socket = %zds_socket.display(),
         "starting ztnode agent"
     );
+    let mut shutdown = std::pin::pin!(shutdown);
+    let stopped_early = arm(shutdown.as_mut()).await;
     let ready = Readiness::new();
     let (stop_tx, stop_rx) = watch::channel(false);
     let source = config.map_or(WorkloadSource::Empty, WorkloadSource::LocalConfig);
@@ -188,7 +204,9 @@ pub async fn run_agent(
     )
     .await?;
 
-    shutdown.await;
+    if !stopped_early {
+        shutdown.await;
+    }
     tracing::info!("shutting down");
     let _ = stop_tx.send(true);
     agent.join().await;
