@@ -2,10 +2,12 @@
 //! ([`server`]), enrollment decisions ([`enroll`]), finding a pod's netns from procfs
 //! ([`netns_finder`]), in-pod redirection ([`redirect`]), the pod lifecycle that ties them together
 //! ([`pods`]) and the link that hands each enrolled pod's netns to the proxy ([`proxy_link`]).
+//! [`coexist`] refuses to start beside Istio's own istio-cni or ztunnel.
 //!
 //! [`start`] is the role's front door: it takes the enrollment policy, the link to the proxy and
 //! a shutdown future, and leaves the rest (which policy, which transport) to the caller.
 
+pub mod coexist;
 pub mod enroll;
 pub mod install;
 pub mod kube;
@@ -71,6 +73,9 @@ pub struct KubeMode {
     /// there means an upgrade or a reboot, so they stay (new pods fail closed until the next
     /// agent is up). Default `(POD_NAMESPACE, "ztnode")`.
     pub daemonset: (String, String),
+    /// Look the DaemonSet up on shutdown (default); `false` ([`ENV_DISABLE_SAFE_UPGRADE`]`=true`)
+    /// uninstalls on every shutdown.
+    pub safe_upgrade: bool,
 }
 
 /// Host probe rule attempts at start and the pause between them (istio-cni: 10 × 2 s, then the
@@ -120,7 +125,10 @@ pub struct Agent {
     /// The pod table.
     pub pods: Arc<PodManager>,
     server_task: JoinHandle<()>,
-    sock_path: PathBuf,
+    sock_file: crate::runtime::socket_file::SocketFile,
+    /// The installer's repair loop: joined before the uninstall check, so that a repair in
+    /// progress cannot put the entry back after the uninstall removed it.
+    install_task: Option<JoinHandle<Result<(), install::InstallError>>>,
     uninstall: Option<UninstallCheck>,
 }
 
@@ -130,8 +138,12 @@ struct UninstallCheck {
     client: ::kube::Client,
     /// The agent's own DaemonSet: `(namespace, name)`.
     daemonset: (String, String),
+    /// This node (`NODE_NAME`): the DaemonSet must still select it.
+    node_name: String,
     install: Option<install::InstallConfig>,
     probe: Arc<redirect::host::HostProbe>,
+    /// `false`: every shutdown uninstalls ([`ENV_DISABLE_SAFE_UPGRADE`]).
+    safe_upgrade: bool,
 }
 
 /// Starts the agent: the pod manager handing pods to `proxy` after `source` enrolled them (pods
@@ -154,10 +166,14 @@ pub async fn start(
     });
     let socket_ready = ready.register(PLUGIN_SOCKET_TASK);
     let mut daemonset = (String::new(), String::new());
+    let mut node_name = String::new();
+    let mut safe_upgrade = true;
     let (policy, kube_mode): (Arc<dyn EnrollmentPolicy>, _) = match source {
         EnrollmentSource::Policy(p) => (p, None),
         EnrollmentSource::Kubernetes(mode) => {
             daemonset = mode.daemonset.clone();
+            safe_upgrade = mode.safe_upgrade;
+            node_name = mode.settings.node_name.clone();
             let client = kube::client(&mode.settings.access).await?;
             let (changes_tx, changes_rx) = tokio::sync::mpsc::unbounded_channel();
             let watches = Watches::start(client.clone(), &mode.settings.node_name, changes_tx);
@@ -190,8 +206,10 @@ pub async fn start(
         uninstall = Some(UninstallCheck {
             client: client.clone(),
             daemonset: daemonset.clone(),
+            node_name,
             install: cfg.install.clone(),
             probe: probe.clone(),
+            safe_upgrade,
         });
         pods.set_host_probe(probe.clone());
         pods.sync_host_probe().await?;
@@ -212,6 +230,7 @@ pub async fn start(
     }
     let sock_path = plugin_socket_path(&cfg.run_dir);
     let listener = server::bind(&sock_path)?;
+    let sock_file = crate::runtime::socket_file::SocketFile::claim(&sock_path);
     let server_task = tokio::spawn(server::serve(
         listener,
         pods.clone(),
@@ -220,6 +239,7 @@ pub async fn start(
     tracing::info!(socket = %sock_path.display(), "plugin event socket ready");
     socket_ready.done();
 
+    let mut install_task = None;
     if let Some(icfg) = cfg.install {
         match install::install(&icfg) {
             Ok(outcome) => tracing::info!(?outcome, "CNI plugin installed"),
@@ -231,12 +251,16 @@ pub async fn start(
             move || install::is_installed(&probe),
             stopped(stop_rx.clone()),
         ));
-        tokio::spawn(install::watch_and_repair(icfg, stopped(stop_rx)));
+        install_task = Some(tokio::spawn(install::watch_and_repair(
+            icfg,
+            stopped(stop_rx),
+        )));
     }
     Ok(Agent {
         pods,
         server_task,
-        sock_path,
+        sock_file,
+        install_task,
         uninstall,
     })
 }
@@ -326,11 +350,20 @@ async fn repair_host_probe(
 }
 
 impl Agent {
-    /// Waits for the plugin server to stop (after the shutdown future resolved) and removes its
-    /// socket.
+    /// Waits for the plugin server and the installer's repair loop to stop (after the shutdown
+    /// future resolved), removes the plugin socket unless a newer agent has bound the path
+    /// meanwhile (an upgrade: then the plugin's events already go there), then in Kubernetes mode
+    /// tells an uninstall from an upgrade and cleans up after an uninstall.
     pub async fn join(self) {
         let _ = self.server_task.await;
-        let _ = std::fs::remove_file(&self.sock_path);
+        self.sock_file.remove();
+        if let Some(task) = self.install_task {
+            match task.await {
+                Ok(Err(e)) => tracing::warn!(error = %e, "the CNI install watcher had stopped"),
+                Err(_) => tracing::warn!("the CNI install watcher failed (task)"),
+                Ok(Ok(())) => {}
+            }
+        }
         if let Some(check) = self.uninstall {
             check.run().await;
         }
@@ -338,25 +371,27 @@ impl Agent {
 }
 
 impl UninstallCheck {
-    /// After the agent stopped: removes what it installed on the host when its DaemonSet is gone
-    /// or being deleted; keeps everything when it is there or cannot be read (the safe side: pods
-    /// fail closed rather than start unmeshed). In-pod rules are never removed here.
+    /// After the agent stopped: removes what it installed on the host on a real uninstall (see
+    /// [`ShutdownLookup::is_uninstall`]; always when safe upgrade is off), keeps everything on an
+    /// upgrade or reboot. In-pod rules are never removed here.
     async fn run(self) {
         let (ns, name) = &self.daemonset;
-        let api: ::kube::Api<k8s_openapi::api::apps::v1::DaemonSet> =
-            ::kube::Api::namespaced(self.client.clone(), ns);
-        let found = tokio::time::timeout(UNINSTALL_CHECK_TIMEOUT, api.get_opt(name))
-            .await
-            .map_err(|_| "the API server did not answer".to_owned())
-            .and_then(|r| r.map_err(|e| e.to_string()));
-        if let Err(e) = &found {
-            tracing::warn!(daemonset = %format!("{ns}/{name}"), error = %e, "cannot tell an uninstall from an upgrade; keeping the plugin and host rules");
+        let ds = format!("{ns}/{name}");
+        if self.safe_upgrade {
+            let lookup = self.lookup().await;
+            if let ShutdownLookup::Failed(e) = &lookup {
+                tracing::warn!(daemonset = %ds, error = %e, "cannot tell an uninstall from an upgrade; keeping the plugin and host rules");
+            }
+            if !lookup.is_uninstall() {
+                tracing::info!(daemonset = %ds, ?lookup, "upgrade or reboot: the plugin and host rules stay");
+                return;
+            }
+            tracing::info!(daemonset = %ds, ?lookup, "uninstall: removing the plugin and the host rules");
+        } else {
+            tracing::info!(
+                "{ENV_DISABLE_SAFE_UPGRADE}=true: removing the plugin and the host rules"
+            );
         }
-        if !is_uninstall(&found) {
-            tracing::info!(daemonset = %format!("{ns}/{name}"), "upgrade or reboot: the plugin and host rules stay");
-            return;
-        }
-        tracing::info!(daemonset = %format!("{ns}/{name}"), "DaemonSet gone: uninstalling the plugin and the host rules");
         if let Some(icfg) = self.install {
             let res = tokio::task::spawn_blocking(move || install::uninstall(&icfg)).await;
             if let Ok(Err(e)) = res {
@@ -370,15 +405,83 @@ impl UninstallCheck {
             Err(_) => tracing::warn!("removing the host probe rules failed (worker task)"),
         }
     }
+
+    /// GETs the agent's DaemonSet (bounded by [`UNINSTALL_CHECK_TIMEOUT`]).
+    async fn lookup(&self) -> ShutdownLookup {
+        let (ns, name) = &self.daemonset;
+        let api: ::kube::Api<k8s_openapi::api::apps::v1::DaemonSet> =
+            ::kube::Api::namespaced(self.client.clone(), ns);
+        match tokio::time::timeout(UNINSTALL_CHECK_TIMEOUT, api.get_opt(name)).await {
+            Err(_) => ShutdownLookup::Failed("the API server did not answer".into()),
+            Ok(Ok(None)) => ShutdownLookup::Gone,
+            Ok(Ok(Some(ds))) if ds.metadata.deletion_timestamp.is_some() => {
+                ShutdownLookup::Deleting
+            }
+            Ok(Ok(Some(ds))) if kube::placement::constrains_nodes(&ds) => self.placement(&ds).await,
+            Ok(Ok(Some(_))) => ShutdownLookup::Present,
+            Ok(Err(::kube::Error::Api(s))) if s.code == 401 || s.code == 403 => {
+                ShutdownLookup::Denied(s.code)
+            }
+            Ok(Err(e)) => ShutdownLookup::Failed(e.to_string()),
+        }
+    }
+
+    /// The DaemonSet is there and constrains its nodes: does it still select this one? A node
+    /// that cannot be read counts as selected (keep everything).
+    async fn placement(&self, ds: &k8s_openapi::api::apps::v1::DaemonSet) -> ShutdownLookup {
+        let api: ::kube::Api<k8s_openapi::api::core::v1::Node> =
+            ::kube::Api::all(self.client.clone());
+        match tokio::time::timeout(UNINSTALL_CHECK_TIMEOUT, api.get(&self.node_name)).await {
+            Ok(Ok(node)) if !kube::placement::selects(ds, &node) => ShutdownLookup::NotThisNode,
+            Ok(Ok(_)) => ShutdownLookup::Present,
+            Ok(Err(e)) => {
+                tracing::warn!(node = %self.node_name, error = %e, "cannot read this node to match the DaemonSet's node selection; taking it as selected");
+                ShutdownLookup::Present
+            }
+            Err(_) => {
+                tracing::warn!(node = %self.node_name, "reading this node timed out; taking it as selected by the DaemonSet");
+                ShutdownLookup::Present
+            }
+        }
+    }
 }
 
-/// Whether the lookup of the agent's DaemonSet says uninstall: gone, or being deleted. An error
-/// says no (keep everything: pods fail closed).
-fn is_uninstall(found: &Result<Option<k8s_openapi::api::apps::v1::DaemonSet>, String>) -> bool {
-    match found {
-        Ok(None) => true,
-        Ok(Some(ds)) => ds.metadata.deletion_timestamp.is_some(),
-        Err(_) => false,
+/// Env of istio-cni: `true` makes every shutdown an uninstall (no DaemonSet lookup).
+pub const ENV_DISABLE_SAFE_UPGRADE: &str = "AMBIENT_DISABLE_SAFE_UPGRADE";
+
+/// What the shutdown's lookup of the agent's own DaemonSet found (istio-cni's
+/// `ShouldStopCleanup`, `../shared/spec/istio-cni.md` §3.10).
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum ShutdownLookup {
+    /// There and not being deleted: an upgrade, or the node reboots.
+    Present,
+    /// Being deleted (`deletionTimestamp` set).
+    Deleting,
+    /// There, but its `nodeSelector` or required node affinity no longer selects this node: its
+    /// pod leaves this node for good.
+    NotThisNode,
+    /// Not found.
+    Gone,
+    /// 401 or 403: the agent's token or its grant is gone, as `kubectl delete` of the manifests
+    /// removes the ServiceAccount and RBAC with the DaemonSet (istio-cni: Unauthorized).
+    Denied(u16),
+    /// Anything else (unreachable, timeout, 5xx).
+    Failed(String),
+}
+
+impl ShutdownLookup {
+    /// Whether this is a real uninstall: gone, being deleted, no longer selecting this node, or
+    /// access denied. A failed lookup
+    /// says no: everything stays and new pods fail closed (istio-cni, outside its istio-owned
+    /// config mode, cleans up after a failed lookup instead; ztnode prefers closed over open).
+    fn is_uninstall(&self) -> bool {
+        matches!(
+            self,
+            ShutdownLookup::Gone
+                | ShutdownLookup::Deleting
+                | ShutdownLookup::NotThisNode
+                | ShutdownLookup::Denied(_)
+        )
     }
 }
 
@@ -388,18 +491,15 @@ const UNINSTALL_CHECK_TIMEOUT: std::time::Duration = std::time::Duration::from_s
 #[cfg(test)]
 mod tests {
     use super::*;
-    use k8s_openapi::api::apps::v1::DaemonSet;
 
     #[test]
-    fn only_a_gone_or_deleted_daemonset_means_uninstall() {
-        assert!(is_uninstall(&Ok(None)));
-        assert!(!is_uninstall(&Ok(Some(DaemonSet::default()))));
-        let mut deleting = DaemonSet::default();
-        deleting.metadata.deletion_timestamp =
-            Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
-                k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
-            ));
-        assert!(is_uninstall(&Ok(Some(deleting))));
-        assert!(!is_uninstall(&Err("unreachable".into())));
+    fn gone_deleted_or_denied_means_uninstall() {
+        assert!(ShutdownLookup::Gone.is_uninstall());
+        assert!(ShutdownLookup::Deleting.is_uninstall());
+        assert!(ShutdownLookup::NotThisNode.is_uninstall());
+        assert!(ShutdownLookup::Denied(401).is_uninstall());
+        assert!(ShutdownLookup::Denied(403).is_uninstall());
+        assert!(!ShutdownLookup::Present.is_uninstall());
+        assert!(!ShutdownLookup::Failed("unreachable".into()).is_uninstall());
     }
 }

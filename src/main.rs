@@ -197,10 +197,16 @@ enum Cmd {
         #[command(flatten)]
         dirs: HostDirs,
     },
-    /// Reverse `install`.
+    /// Reverse `install` and remove the host rules: the plugin's config entry, binary and
+    /// kubeconfig, and the host probe SNAT table. In-pod rules stay (as on any shutdown).
     Uninstall {
         #[command(flatten)]
         dirs: HostDirs,
+    },
+    /// The built-in CA (standalone mode): `ca init` makes one root for every node.
+    Ca {
+        #[command(subcommand)]
+        cmd: CaCmd,
     },
     /// Build a throwaway node on this machine and show HBONE between two pods (root).
     Demo {
@@ -282,6 +288,32 @@ enum Cmd {
     Version,
 }
 
+/// `ztnode ca …`.
+#[derive(Subcommand)]
+enum CaCmd {
+    /// Generate a new root (ECDSA P-256, 10 years) for all nodes to share: into a CA dir
+    /// (`root-cert.pem`, `ca-key.pem` 0600; never overwritten), or as a Secret manifest on stdout
+    /// for the standalone component (`ztnode ca init --secret-yaml | kubectl apply -f -`).
+    Init {
+        /// Write the CA files into this dir (the proxy's `--ca-dir`).
+        #[arg(
+            long,
+            required_unless_present = "secret_yaml",
+            conflicts_with = "secret_yaml"
+        )]
+        out: Option<PathBuf>,
+        /// Print a Secret holding both files instead.
+        #[arg(long)]
+        secret_yaml: bool,
+        /// The Secret's name.
+        #[arg(long, default_value = ztnode::node::ca_init::CA_SECRET_NAME, requires = "secret_yaml")]
+        name: String,
+        /// The Secret's namespace.
+        #[arg(long, default_value = ztnode::node::ca_init::CA_SECRET_NAMESPACE, requires = "secret_yaml")]
+        namespace: String,
+    },
+}
+
 /// The installer's settings for these dirs: this binary as the plugin, `kube-system` excluded.
 fn install_config(dirs: &HostDirs) -> anyhow::Result<InstallConfig> {
     Ok(InstallConfig {
@@ -319,6 +351,7 @@ fn run(cmd: Cmd) -> anyhow::Result<i32> {
         }
         Cmd::Agent(a) => {
             runtime::init_tracing();
+            ztnode::agent::coexist::check(&a.agent.dirs.cni_conf_dir, &a.zds_socket)?;
             let kube = kube_mode(&a.agent)?;
             let cfg = agent_config(&a.agent, &a.mesh, &kube)?;
             let config = local_config(a.config, &kube)?;
@@ -340,6 +373,9 @@ fn run(cmd: Cmd) -> anyhow::Result<i32> {
         Cmd::Uninstall { dirs } => {
             runtime::init_tracing();
             ztnode::agent::install::uninstall(&install_config(&dirs)?)?;
+            // The host probe SNAT table (Kubernetes mode's host rules); the kubelet UID only
+            // shapes the rules, removal deletes the whole table.
+            ztnode::agent::redirect::host::HostProbe::new(0).remove()?;
             Ok(0)
         }
         Cmd::Doctor {
@@ -376,6 +412,31 @@ fn run(cmd: Cmd) -> anyhow::Result<i32> {
             }
             Ok(report.exit_code())
         }
+        Cmd::Ca {
+            cmd:
+                CaCmd::Init {
+                    out,
+                    secret_yaml: _,
+                    name,
+                    namespace,
+                },
+        } => {
+            use ztnode::node::ca_init;
+            match out {
+                Some(dir) => {
+                    ca_init::write_dir(&dir)?;
+                    eprintln!(
+                        "wrote a new CA root to {}; give every node the same dir (--ca-dir)",
+                        dir.display()
+                    );
+                }
+                None => print!(
+                    "{}",
+                    ca_init::secret_manifest(&name, &namespace, &std::env::temp_dir())?
+                ),
+            }
+            Ok(0)
+        }
         Cmd::Demo { verbose } => Ok(ztnode::lab::demo::run(verbose)),
         Cmd::Bench {
             duration,
@@ -409,6 +470,7 @@ fn run(cmd: Cmd) -> anyhow::Result<i32> {
             proxy,
         } => {
             runtime::init_tracing();
+            ztnode::agent::coexist::check(&agent.dirs.cni_conf_dir, &istio_zds_socket())?;
             runtime::raise_nofile_limit();
             let kube = kube_mode(&agent)?;
             let env = istio_env(&config)?;
@@ -424,6 +486,15 @@ fn run(cmd: Cmd) -> anyhow::Result<i32> {
             Ok(0)
         }
     }
+}
+
+/// Where Istio's istio-cni agent would serve ZDS for ztunnel (`ZTUNNEL_UDS_ADDRESS`, default
+/// [`mesh::DEFAULT_ZDS_SOCKET`]); `ztnode node` serves none but refuses to start when something
+/// answers there.
+fn istio_zds_socket() -> PathBuf {
+    std::env::var_os("ZTUNNEL_UDS_ADDRESS")
+        .filter(|v| !v.is_empty())
+        .map_or_else(|| mesh::DEFAULT_ZDS_SOCKET.into(), PathBuf::from)
 }
 
 fn agent_config(
@@ -477,8 +548,12 @@ fn kube_mode(a: &AgentOpts) -> anyhow::Result<Option<KubeMode>> {
         rules.own.namespace.clone(),
         std::env::var("ZTNODE_DAEMONSET").unwrap_or_else(|_| "ztnode".into()),
     );
+    let safe_upgrade = std::env::var(ztnode::agent::ENV_DISABLE_SAFE_UPGRADE)
+        .map(|v| !v.eq_ignore_ascii_case("true"))
+        .unwrap_or(true);
     Ok(Some(KubeMode {
         daemonset,
+        safe_upgrade,
         settings: KubeSettings { access, node_name },
         rules,
         proc_root: a.proc_root.clone(),
@@ -585,6 +660,8 @@ fn proxy_config(
             cluster_domain: p.cluster_domain.clone(),
         },
         trust_domain: env.trust_domain.clone(),
+        termination_deadline: env.termination_deadline,
+        port_reuse: env.port_reuse,
     }
 }
 

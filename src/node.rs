@@ -9,9 +9,19 @@
 //! (`127.0.0.1:15000/config_dump`), readiness (`:15021/healthz/ready`) and metrics
 //! (`:15020/metrics`) endpoints. [`run`] joins both halves with the in-process channel;
 //! [`run_agent`] serves ZDS on a unix socket and [`run_proxy`] connects to it. Each ends cleanly
-//! when `shutdown` resolves (SIGTERM/SIGINT in `main`).
+//! when `shutdown` resolves (SIGTERM/SIGINT in `main`) or on `POST /quitquitquit`.
+//!
+//! Shutdown is a drain (`../shared/spec/ztunnel.md` §3): readiness turns not-ready at once
+//! ([`DRAINING_TASK`]), the proxy stops accepting in every pod and sends GOAWAY on its HBONE
+//! connections, open connections get [`ProxyConfig::termination_deadline`] to finish and are
+//! closed then ([`ProxyManager::start_drain`]); the admin, readiness and metrics endpoints answer
+//! until the end. With port reuse a new process started beside this one (same run dir, or a new
+//! `ztnode proxy` on the same agent) has bound the pods' ports already and takes every new
+//! connection, so an upgrade has no gap; sockets that the new process took over (the plugin
+//! socket) are left alone on the way out.
 
 pub mod admin;
+pub mod ca_init;
 pub mod doctor;
 
 use std::path::{Path, PathBuf};
@@ -45,6 +55,10 @@ const QUIT_ANSWER_GRACE: Duration = Duration::from_millis(100);
 /// Readiness task of the local config (pending until it was read once).
 pub const LOCAL_CONFIG_TASK: &str = "local config";
 
+/// Readiness task that turns pending when the shutdown (drain) begins and stays so until the
+/// process exits (ztunnel stops its readiness server on drain; here it answers 500 meanwhile).
+pub const DRAINING_TASK: &str = "draining";
+
 /// Readiness task of a separate proxy: pending while it is not connected to the agent's ZDS
 /// socket (ztunnel goes unready on disconnect).
 pub const ZDS_CONNECTION_TASK: &str = "ZDS connection";
@@ -77,6 +91,15 @@ pub struct NodeConfig {
     pub proxy: ProxyConfig,
 }
 
+/// Polls `shutdown` once, before start-up: the signal handlers it installs on its first poll
+/// ([`crate::runtime::shutdown_signal`]) are then in place, so a SIGTERM during start-up ends in
+/// the normal shutdown (with the agent's uninstall check) instead of killing the process. Returns
+/// whether it already resolved.
+async fn arm(shutdown: std::pin::Pin<&mut impl std::future::Future<Output = ()>>) -> bool {
+    let mut shutdown = shutdown;
+    std::future::poll_fn(|cx| std::task::Poll::Ready(shutdown.as_mut().poll(cx).is_ready())).await
+}
+
 /// Runs agent and proxy in one process, joined by the in-process ZDS channel, until `shutdown`.
 pub async fn run(
     cfg: NodeConfig,
@@ -90,6 +113,8 @@ pub async fn run(
         cfg.node_name.clone(),
     );
     log_start("starting ztnode node", &run_config, cfg.kube.is_some());
+    let mut shutdown = std::pin::pin!(shutdown);
+    let stopped_early = arm(shutdown.as_mut()).await;
     anyhow::ensure!(
         cfg.agent.redirect.proxy_mark == cfg.proxy.packet_mark,
         "the in-pod rules must exclude the proxy's packet mark: rules {}, proxy {}",
@@ -98,9 +123,12 @@ pub async fn run(
     );
     let ready = Readiness::new();
     let (stop_tx, stop_rx) = watch::channel(false);
+    let (admin_stop, admin_stop_rx) = watch::channel(false);
     let mut registry = Registry::default();
     let state = start_state(cfg.source, &ready, &stop_rx, &mut registry)?;
     let proxy = proxy::start(&cfg.proxy, state.clone(), &ready)?;
+    // kept until the drain ended: the manager then still answers (refuses) late Adds
+    let _link = proxy.link.clone();
     let agent = agent::start(
         cfg.agent,
         enrollment_source(cfg.kube, &state, cfg.node_name),
@@ -113,21 +141,27 @@ pub async fn run(
         &cfg.proxy,
         proxy.manager.clone(),
         Some(agent.pods.clone()),
-        ready,
+        ready.clone(),
         registry,
         run_config,
-        stop_rx,
+        admin_stop_rx,
     )
     .await?;
 
-    tokio::select! {
-        _ = shutdown => {}
-        _ = quitting(&mut quit) => {}
+    if !stopped_early {
+        tokio::select! {
+            _ = shutdown => {}
+            _ = quitting(&mut quit) => {}
+        }
     }
-    tracing::info!("shutting down");
+    let not_ready = ready.register(DRAINING_TASK);
+    tracing::info!("shutting down: draining");
+    let draining = proxy.manager.start_drain(cfg.proxy.termination_deadline);
     let _ = stop_tx.send(true);
-    agent.join().await;
-    proxy.manager.stop_all();
+    let ((), report) = tokio::join!(agent.join(), draining.finish());
+    tracing::info!(?report, "shut down");
+    let _ = admin_stop.send(true);
+    drop(not_ready);
     Ok(())
 }
 
@@ -153,6 +187,8 @@ pub async fn run_agent(
         zds_socket = %zds_socket.display(),
         "starting ztnode agent"
     );
+    let mut shutdown = std::pin::pin!(shutdown);
+    let stopped_early = arm(shutdown.as_mut()).await;
     let ready = Readiness::new();
     let (stop_tx, stop_rx) = watch::channel(false);
     let source = config.map_or(WorkloadSource::Empty, WorkloadSource::LocalConfig);
@@ -160,6 +196,7 @@ pub async fn run_agent(
     let state = start_state(source, &ready, &stop_rx, &mut Registry::default())?;
     let zds_server = ZdsServer::new();
     let listener = zds::server::bind(&zds_socket)?;
+    let zds_socket_file = crate::runtime::socket_file::SocketFile::claim(&zds_socket);
     let zds_task = tokio::spawn(zds_server.clone().serve(listener, stopped(stop_rx.clone())));
     tracing::info!(socket = %zds_socket.display(), "ZDS socket ready");
     let agent = agent::start(
@@ -171,12 +208,14 @@ pub async fn run_agent(
     )
     .await?;
 
-    shutdown.await;
+    if !stopped_early {
+        shutdown.await;
+    }
     tracing::info!("shutting down");
     let _ = stop_tx.send(true);
     agent.join().await;
     let _ = zds_task.await;
-    let _ = std::fs::remove_file(&zds_socket);
+    zds_socket_file.remove();
     Ok(())
 }
 
@@ -194,20 +233,25 @@ pub async fn run_proxy(
     tracing::info!(zds_socket = %zds_socket.display(), "connecting to the node agent");
     let ready = Readiness::new();
     let (stop_tx, stop_rx) = watch::channel(false);
+    let (admin_stop, admin_stop_rx) = watch::channel(false);
     let mut registry = Registry::default();
     let state = start_state(source, &ready, &stop_rx, &mut registry)?;
     let proxy = proxy::start(&cfg, state.clone(), &ready)?;
+    // kept until the drain ended, so closing the ZDS connection does not stop the pods at once
+    let _link = proxy.link.clone();
     let connection = ready.register(ZDS_CONNECTION_TASK);
     let mut quit = serve_admin(
         &cfg,
         proxy.manager.clone(),
         None,
-        ready,
+        ready.clone(),
         registry,
         run_config,
-        stop_rx,
+        admin_stop_rx,
     )
     .await?;
+    // On shutdown the ZDS connection closes first (ztunnel stops reading on drain): the agent
+    // sends new pods to the proxy that replaces this one.
     let res = tokio::select! {
         _ = shutdown => Ok(()),
         _ = quitting(&mut quit) => Ok(()),
@@ -215,9 +259,14 @@ pub async fn run_proxy(
             r.context("ZDS connection to the node agent")
         }
     };
-    tracing::info!("shutting down");
+    let not_ready = ready.register(DRAINING_TASK);
+    tracing::info!("shutting down: draining");
+    let draining = proxy.manager.start_drain(cfg.termination_deadline);
     let _ = stop_tx.send(true);
-    proxy.manager.stop_all();
+    let report = draining.finish().await;
+    tracing::info!(?report, "shut down");
+    let _ = admin_stop.send(true);
+    drop(not_ready);
     res
 }
 
@@ -327,9 +376,8 @@ async fn serve_admin(
     };
     admin::spawn(
         admin,
-        cfg.admin_addr,
-        cfg.readiness_addr,
-        cfg.metrics_addr,
+        [cfg.admin_addr, cfg.readiness_addr, cfg.metrics_addr],
+        cfg.port_reuse,
         stop,
     )
     .await?;

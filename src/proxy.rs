@@ -18,6 +18,7 @@ pub mod config;
 pub mod control;
 pub mod copy;
 pub mod dns;
+pub mod drain;
 pub mod hbone;
 pub mod identity;
 pub mod inbound;
@@ -84,12 +85,19 @@ pub struct ProxyConfig {
     /// Trust domain of the pods served from their handoff (ztunnel `TRUST_DOMAIN`, default
     /// `cluster.local`); workload records carry their own.
     pub trust_domain: String,
+    /// How long a shutdown lets open connections finish before closing them (ztunnel
+    /// `CONNECTION_TERMINATION_DEADLINE`, default 5 s; see
+    /// [`istio_env::termination_deadline`]).
+    pub termination_deadline: Duration,
+    /// `SO_REUSEPORT` on the in-pod listeners and the node endpoints (ztunnel
+    /// `INPOD_PORT_REUSE`, default on): a new proxy process takes them over while this one drains.
+    pub port_reuse: bool,
 }
 
 impl ProxyConfig {
     /// Istio's defaults with the built-in CA in `ca_dir`: 24 h certificates, mark `0x539`, the
     /// node endpoints on 15000/15021/15020, ztunnel's pool settings (100 streams open at once
-    /// per connection, unused connections released after 5 min).
+    /// per connection, unused connections released after 5 min), a 5 s drain, port reuse on.
     pub fn new(ca_dir: PathBuf) -> ProxyConfig {
         ProxyConfig {
             cert_source: CertSource::BuiltIn { ca_dir },
@@ -102,6 +110,8 @@ impl ProxyConfig {
             pool: pool::PoolConfig::default(),
             dns: dns::DnsOptions::default(),
             trust_domain: identity::DEFAULT_TRUST_DOMAIN.to_owned(),
+            termination_deadline: istio_env::DEFAULT_TERMINATION_DEADLINE,
+            port_reuse: true,
         }
     }
 }
@@ -178,7 +188,7 @@ pub fn start(
         dns,
         trust_domain: cfg.trust_domain.clone(),
     });
-    let manager = ProxyManager::new(ctx);
+    let manager = ProxyManager::with_port_reuse(ctx, cfg.port_reuse);
     let (link, rx) = zds::in_process();
     let task = ready.register(PROXY_MANAGER_TASK);
     tokio::spawn(manager.clone().run(rx, move |ready| {

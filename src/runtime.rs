@@ -11,6 +11,7 @@ pub const DEFAULT_WORKER_THREADS: usize = 2;
 pub const HEAP_TRIM_INTERVAL: Duration = Duration::from_secs(1);
 
 pub mod logging;
+pub mod socket_file;
 
 /// Installs the logging of the long-running roles ([`logging::init`]): ztunnel's plain or JSON
 /// lines on stderr (`LOG_FORMAT=json`), filter from `RUST_LOG` (default `info`) after the

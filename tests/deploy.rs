@@ -68,7 +68,7 @@ const BASE: Platform = Platform {
     dir: "base",
     cni_bin: "/opt/cni/bin",
     cni_conf: "/etc/cni/net.d",
-    image: "ghcr.io/ztnode/ztnode:latest",
+    image: concat!("ghcr.io/ztnode/ztnode:", env!("CARGO_PKG_VERSION")),
     openshift: false,
     gke_quota: false,
 };
@@ -285,6 +285,9 @@ fn env_names_come_from_the_sources() {
         "CA_ADDRESS",
         "ISTIO_META_CLUSTER_ID",
         "INSTANCE_IP",
+        "TERMINATION_GRACE_PERIOD_SECONDS",
+        "CONNECTION_TERMINATION_DEADLINE",
+        "INPOD_PORT_REUSE",
     ] {
         assert!(n.read_by_istio_env(name), "{name}");
     }
@@ -298,10 +301,7 @@ fn env_names_come_from_the_sources() {
     ] {
         assert!(n.read_by_ztnode(name), "{name}");
     }
-    for name in [
-        "TERMINATION_GRACE_PERIOD_SECONDS",
-        "CONNECTION_TERMINATION_DEADLINE",
-    ] {
+    for name in ["HTTP2_FRAME_SIZE", "CRL_PATH"] {
         assert!(n.ztunnel_ignored(name), "{name}");
         assert!(!n.read_by_istio_env(name), "{name} is listed, not read");
     }
@@ -404,5 +404,73 @@ fn checks_catch_broken_manifests() -> Result<()> {
             p.dir
         );
     }
+    Ok(())
+}
+
+/// `ztnode ca init --secret-yaml` prints the Secret the standalone component mounts as the CA
+/// dir (its name, the DaemonSet's namespace), holding exactly the two files the proxy loads; two
+/// nodes given its contents load the same root. `--out` writes the same files into a dir.
+#[test]
+fn ca_init_writes_the_secret_the_standalone_component_mounts() -> Result<()> {
+    use k8s_openapi::api::core::v1::Secret;
+    use ztnode::proxy::identity::{CA_KEY_FILE, Ca, ROOT_CERT_FILE};
+    let Some(k) = kubectl("ca_init_writes_the_secret_the_standalone_component_mounts") else {
+        return Ok(());
+    };
+    let out = Command::new(env!("CARGO_BIN_EXE_ztnode"))
+        .args(["ca", "init", "--secret-yaml"])
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "ca init: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let secret: Secret = serde_yaml_ng::from_slice(&out.stdout).context("a Secret")?;
+    let r = render_with(&k, &K3S, &[STANDALONE])?;
+    let ds = &r.daemon_sets[0];
+    let pod = pod_spec(ds)?;
+    let mounted = pod
+        .volumes
+        .iter()
+        .flatten()
+        .find_map(|v| v.secret.as_ref())
+        .context("no Secret volume")?;
+    ensure!(secret.metadata.name == mounted.secret_name, "Secret name");
+    ensure!(
+        secret.metadata.namespace == ds.metadata.namespace,
+        "Secret namespace"
+    );
+    let data = secret.data.context("no data")?;
+    let keys: Vec<&str> = data.keys().map(String::as_str).collect();
+    ensure!(keys == [CA_KEY_FILE, ROOT_CERT_FILE], "keys {keys:?}");
+    let tmp = tempfile::tempdir()?;
+    let mut roots = Vec::new();
+    for node in ["node-a", "node-b"] {
+        let dir = tmp.path().join(node);
+        std::fs::create_dir(&dir)?;
+        for (file, bytes) in &data {
+            std::fs::write(dir.join(file), &bytes.0)?;
+        }
+        roots.push(Ca::load_or_generate(Some(&dir))?.root_pem());
+    }
+    ensure!(roots[0] == roots[1], "the nodes load different roots");
+    ensure!(roots[0].as_bytes() == data[ROOT_CERT_FILE].0.as_slice());
+
+    let dir = tmp.path().join("out");
+    let status = Command::new(env!("CARGO_BIN_EXE_ztnode"))
+        .args(["ca", "init", "--out"])
+        .arg(&dir)
+        .status()?;
+    ensure!(status.success(), "ca init --out");
+    Ca::load_or_generate(Some(&dir))?;
+    let again = Command::new(env!("CARGO_BIN_EXE_ztnode"))
+        .args(["ca", "init", "--out"])
+        .arg(&dir)
+        .output()?;
+    ensure!(
+        again.status.code() == Some(1)
+            && String::from_utf8_lossy(&again.stderr).contains("not overwriting"),
+        "a second --out overwrote the CA"
+    );
     Ok(())
 }

@@ -454,6 +454,7 @@ fn ztunnel_proxy_ztunnel_with_the_charts_env_serves_pods_from_istiod() {
             ("RUST_BACKTRACE", "1"),
             ("INPOD_ENABLED", "true"),
             ("TERMINATION_GRACE_PERIOD_SECONDS", "30"),
+            ("ENABLE_ORIG_SRC", "true"),
             ("POD_NAME", "ztunnel-x1"),
             ("POD_NAMESPACE", "istio-system"),
             ("NODE_NAME", prefix.as_str()),
@@ -469,10 +470,7 @@ fn ztunnel_proxy_ztunnel_with_the_charts_env_serves_pods_from_istiod() {
     };
     wait(&["snapshot received"]);
     // a setting ztunnel reads and ztnode does not is named once, not silently dropped
-    wait(&[
-        "not supported by ztnode",
-        "TERMINATION_GRACE_PERIOD_SECONDS",
-    ]);
+    wait(&["not supported by ztnode", "ENABLE_ORIG_SRC"]);
 
     let server = lab.add_pod("server", "default").expect("server");
     let client = lab.add_pod("client", "default").expect("client");

@@ -370,6 +370,95 @@ fn multus_wins_over_flannel() -> Result<()> {
     Ok(())
 }
 
+/// Multus's generated config, as Multus writes it from the cluster network's list `delegate`.
+fn multus_conf(delegate: &Value) -> Result<Vec<u8>> {
+    let mut conf: Value =
+        serde_json::from_slice(&fs::read(Path::new(REAL).join("00-multus.conf"))?)?;
+    conf["delegates"] = json!([delegate]);
+    Ok(serde_json::to_vec_pretty(&conf)?)
+}
+
+/// How many times the runtime would run our plugin for a pod with `list` as the config: its own
+/// entries plus those inside any plugin's `delegates` (Multus runs each delegate's chain).
+fn runs_per_pod(list: &Value) -> Result<usize> {
+    let mut n = ours_count(list)?;
+    for p in plugins(list)? {
+        for d in p["delegates"].as_array().into_iter().flatten() {
+            n += usize::from(d["type"] == PLUGIN_TYPE);
+            n += d["plugins"].as_array().map_or(0, |ps| {
+                ps.iter().filter(|p| p["type"] == PLUGIN_TYPE).count()
+            });
+        }
+    }
+    Ok(n)
+}
+
+#[test]
+fn behind_multus_the_plugin_runs_once_per_pod() -> Result<()> {
+    // ztnode chained into flannel first; then Multus came up and embedded the chained flannel list.
+    let node = Node::new()?;
+    let flannel = node.copy_in(
+        &Path::new(REAL).join("10-flannel.conflist"),
+        "10-flannel.conflist",
+    )?;
+    install::install(&node.cfg)?;
+    let chained = node.json("10-flannel.conflist")?;
+    ensure!(ours_count(&chained)? == 1);
+    node.put("00-multus.conf", &multus_conf(&chained)?)?;
+    let report = install::inspect_conf_dir(&node.cfg.cni_conf_dir)?;
+    ensure!(report.ours() == 1 && report.embedded == 1, "{report:?}");
+    ensure!(!install::is_installed(&node.cfg)?);
+
+    let outcome = install::install(&node.cfg)?;
+    ensure!(outcome.conf.primary == node.conf("00-multus.conflist"));
+    let primary = node.json("00-multus.conflist")?;
+    ensure!(runs_per_pod(&primary)? == 1, "runs twice: {primary:#}");
+    ensure!(plugins(&primary)?.last().context("plugins")?["type"] == PLUGIN_TYPE);
+    let original: Value = serde_json::from_slice(&flannel)?;
+    ensure!(
+        primary["plugins"][0]["delegates"][0] == original,
+        "Multus's delegate is not the cluster network as it was: {primary:#}"
+    );
+    ensure!(node.json("10-flannel.conflist")? == original);
+    ensure!(install::is_installed(&node.cfg)?);
+    let report = install::inspect_conf_dir(&node.cfg.cni_conf_dir)?;
+    ensure!(
+        report.ours() == 1 && report.embedded == 0 && report.stray.is_empty(),
+        "{report:?}"
+    );
+
+    // Multus rewrites its config from the (now clean) flannel list: one entry again.
+    node.put("00-multus.conf", &multus_conf(&original)?)?;
+    install::install(&node.cfg)?;
+    ensure!(node.names()? == ["00-multus.conflist", "10-flannel.conflist"]);
+    ensure!(runs_per_pod(&node.json("00-multus.conflist")?)? == 1);
+
+    install::uninstall(&node.cfg)?;
+    ensure!(node.names()? == ["00-multus.conf", "10-flannel.conflist"]);
+    ensure!(
+        node.json("00-multus.conf")? == serde_json::from_slice::<Value>(&multus_conf(&original)?)?
+    );
+    Ok(())
+}
+
+#[test]
+fn uninstall_removes_our_entry_from_multus_delegates() -> Result<()> {
+    // A leftover: Multus's own .conf (not converted by us) embeds a chained list.
+    let node = Node::new()?;
+    let flannel: Value =
+        serde_json::from_slice(&fs::read(Path::new(REAL).join("10-flannel.conflist"))?)?;
+    let mut chained = flannel.clone();
+    chained["plugins"]
+        .as_array_mut()
+        .context("plugins")?
+        .push(json!({"type": PLUGIN_TYPE, "name": PLUGIN_TYPE}));
+    node.put("00-multus.conf", &multus_conf(&chained)?)?;
+    install::uninstall(&node.cfg)?;
+    let conf = node.json("00-multus.conf")?;
+    ensure!(conf["delegates"] == json!([flannel]), "{conf:#}");
+    Ok(())
+}
+
 #[test]
 fn entry_follows_a_new_higher_priority_config() -> Result<()> {
     let node = Node::new()?;

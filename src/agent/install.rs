@@ -313,6 +313,9 @@ pub struct ConfDirReport {
     pub primary: Option<String>,
     /// The primary's plugin types, in chain order (one for a `.conf`).
     pub chain: Vec<String>,
+    /// ztnode entries inside the primary's plugins' `delegates` (Multus's embedded copy of the
+    /// cluster network): each makes the plugin run once more per pod.
+    pub embedded: usize,
     /// Files other than the primary that hold a ztnode entry.
     pub stray: Vec<String>,
     /// Files with a config extension that do not parse or that the runtime skips.
@@ -320,9 +323,10 @@ pub struct ConfDirReport {
 }
 
 impl ConfDirReport {
-    /// How many ztnode entries the primary's chain holds.
+    /// How many times the primary runs ztnode's plugin: its chain's entries plus those embedded in
+    /// delegates.
     pub fn ours(&self) -> usize {
-        self.chain.iter().filter(|t| *t == PLUGIN_TYPE).count()
+        self.chain.iter().filter(|t| *t == PLUGIN_TYPE).count() + self.embedded
     }
 
     /// Whether the primary's chain ends with ztnode's entry.
@@ -361,6 +365,9 @@ pub fn inspect_conf_dir(dir: &std::path::Path) -> Result<ConfDirReport, InstallE
             .unwrap_or_default(),
         None => Vec::new(),
     };
+    let embedded = primary
+        .and_then(|(f, _)| f.value.as_ref())
+        .map_or(0, conflist::count_embedded);
     let primary_name = primary.map(|(f, _)| f.name.clone());
     let stray = files
         .iter()
@@ -368,7 +375,7 @@ pub fn inspect_conf_dir(dir: &std::path::Path) -> Result<ConfDirReport, InstallE
         .filter(|f| {
             f.value
                 .as_ref()
-                .is_some_and(|v| conflist::count_ours(v) > 0)
+                .is_some_and(|v| conflist::count_ours(v) + conflist::count_embedded(v) > 0)
         })
         .map(|f| f.name.clone())
         .collect();
@@ -385,9 +392,34 @@ pub fn inspect_conf_dir(dir: &std::path::Path) -> Result<ConfDirReport, InstallE
     Ok(ConfDirReport {
         primary: primary_name,
         chain,
+        embedded,
         stray,
         invalid,
     })
+}
+
+/// `type` of Istio's own CNI plugin entry (istio-cni's installer, `../shared/spec/istio-cni.md` §2.4).
+pub const ISTIO_CNI_TYPE: &str = "istio-cni";
+
+/// Names of the config files in `dir` that hold Istio's `istio-cni` plugin: as a `.conf`'s type,
+/// in a list's `plugins`, or inside a plugin's `delegates` (Multus). Sorted; empty when `dir` is
+/// missing. Errors: the dir or a file in it cannot be read.
+pub fn istio_cni_files(dir: &std::path::Path) -> Result<Vec<String>, InstallError> {
+    let files = match files::scan_conf_dir(dir) {
+        Err(InstallError::ReadDir { source, .. }) if source.kind() == io::ErrorKind::NotFound => {
+            return Ok(Vec::new());
+        }
+        other => other?,
+    };
+    Ok(files
+        .into_iter()
+        .filter(|f| {
+            f.value
+                .as_ref()
+                .is_some_and(|v| conflist::has_type(v, ISTIO_CNI_TYPE))
+        })
+        .map(|f| f.name)
+        .collect())
 }
 
 /// Writes the plugin's kubeconfig unless current (Kubernetes mode only); returns whether written.

@@ -6,6 +6,7 @@
 //! node. Watches use kube-rs reflectors with bookmarks and relist on 410 Gone; while the API server
 //! is unreachable they retry with backoff and the last known state stays in the stores.
 
+pub mod placement;
 pub mod policy;
 pub mod reconcile;
 pub mod status;

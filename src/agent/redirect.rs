@@ -192,10 +192,10 @@ pub fn remove_batch() -> Batch {
 /// (e.g. a pod's options changed) converges to that plan. For a pod with options pass
 /// `node_plan.for_pod(&options)`. Blocking.
 ///
-/// When the netns already holds exactly this plan's tables and rules (an agent restart re-applying
-/// a pod's rules), nothing is replaced: our base chains keep their place among the pod's own
-/// chains of the same hook and priority (the kernel runs those in registration order), so the
-/// redirect wins over a pod's own nat rules the same way before and after a restart.
+/// When the netns already holds exactly this plan's tables, chains and rules (an agent restart
+/// re-applying a pod's rules), nothing is replaced, so there is no moment without rules. That the
+/// redirect wins over a pod's own nat rules comes from the nat chains' priority (-101, before
+/// `dstnat`), not from the order the chains were registered in.
 pub fn apply(netns: &Netns, plan: &RedirectPlan) -> Result<(), RedirectError> {
     let plan = plan.clone();
     netns.run(move || -> Result<(), RedirectError> {

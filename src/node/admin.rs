@@ -86,21 +86,23 @@ enum Kind {
     Stats,
 }
 
-/// Binds the three listeners and serves them until `stop` turns true.
+/// Binds the three listeners and serves them until `stop` turns true. With `reuse_port`
+/// (`INPOD_PORT_REUSE`) they get `SO_REUSEPORT` and take new connections from an older process
+/// still bound to them ([`crate::proxy::socket::node_listener`]), so a new process starts while
+/// the old one drains.
 pub async fn spawn(
     admin: Admin,
-    admin_addr: SocketAddr,
-    ready_addr: SocketAddr,
-    stats_addr: SocketAddr,
+    addrs: [SocketAddr; 3],
+    reuse_port: bool,
     stop: tokio::sync::watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
+    let [admin_addr, ready_addr, stats_addr] = addrs;
     for (addr, kind) in [
         (admin_addr, Kind::Admin),
         (ready_addr, Kind::Ready),
         (stats_addr, Kind::Stats),
     ] {
-        let listener = TcpListener::bind(addr)
-            .await
+        let listener: TcpListener = crate::proxy::socket::node_listener(addr, reuse_port)
             .with_context(|| format!("bind {addr}"))?;
         let admin = admin.clone();
         let mut stop = stop.clone();

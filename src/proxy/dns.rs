@@ -246,7 +246,17 @@ async fn serve_tcp(pod: Arc<PodProxy>, dns: Arc<DnsProxy>, l: TcpListener) {
 }
 
 /// Forwarded TCP requests waiting for their answer: id → (sent at, labels).
-type Pending = Arc<Mutex<HashMap<u16, PendingQuery>>>;
+/// The queries one upstream TCP connection carries and has not answered, and whether its relay
+/// ended: whoever removes a query from here answers it (the relay with the upstream's answer or
+/// SERVFAIL, the request loop by sending it again on a new connection).
+#[derive(Default)]
+struct InFlight {
+    queries: HashMap<u16, PendingQuery>,
+    /// The relay ended: nothing more is answered on this connection.
+    ended: bool,
+}
+
+type Pending = Arc<Mutex<InFlight>>;
 
 /// A query forwarded over TCP and not answered yet.
 struct PendingQuery {
@@ -259,10 +269,12 @@ struct PendingQuery {
 /// The client's writing half, shared by the request loop and the upstream relay.
 type ClientWriter = Arc<tokio::sync::Mutex<OwnedWriteHalf>>;
 
-/// An upstream TCP connection of one client connection and the task relaying its answers.
+/// An upstream TCP connection of one client connection, the task relaying its answers, and the
+/// queries it carries.
 struct Upstream {
     writer: OwnedWriteHalf,
     relay: AbortOnDrop,
+    pending: Pending,
 }
 
 /// A task aborted when dropped.
@@ -285,7 +297,6 @@ async fn tcp_connection(
 ) {
     let (mut reader, writer) = stream.into_split();
     let writer: ClientWriter = Arc::new(tokio::sync::Mutex::new(writer));
-    let pending: Pending = Arc::default();
     let mut upstream: Option<Upstream> = None;
     let metrics = &pod.ctx.metrics.dns;
     loop {
@@ -298,22 +309,18 @@ async fn tcp_connection(
             (Outcome::Reply(reply), _) => reply,
             (Outcome::Forward(req), Some(labels)) => {
                 metrics.upstream_request(&labels);
-                let servfail = message::error_reply(&raw, &req, ResponseCode::ServFail);
-                lock(&pending).insert(
-                    req.id,
-                    PendingQuery {
-                        sent: Instant::now(),
-                        labels: labels.clone(),
-                        servfail,
-                    },
-                );
-                match send_upstream(&pod, &dns, &mut upstream, &writer, &pending, &raw).await {
+                let query = PendingQuery {
+                    sent: Instant::now(),
+                    labels: labels.clone(),
+                    servfail: message::error_reply(&raw, &req, ResponseCode::ServFail),
+                };
+                match send_upstream(&pod, &dns, &mut upstream, &writer, &raw, req.id, query).await
+                {
                     Ok(()) => continue,
-                    Err(e) => {
-                        lock(&pending).remove(&req.id);
+                    Err((e, query)) => {
                         metrics.upstream_failure(&labels);
                         tracing::debug!(target: "dns", id = req.id, error = %e, result = "forwarding failed");
-                        message::error_reply(&raw, &req, ResponseCode::ServFail)
+                        query.servfail
                     }
                 }
             }
@@ -329,9 +336,11 @@ async fn tcp_connection(
     if let Some(mut up) = upstream.take() {
         let _ = up.writer.shutdown().await;
         let _ = tokio::time::timeout(dns.upstreams().timeout, &mut up.relay.0).await;
-    }
-    for (_, q) in lock(&pending).drain() {
-        metrics.upstream_failure(&q.labels);
+        let mut in_flight = lock(&up.pending);
+        in_flight.ended = true;
+        for (_, q) in in_flight.queries.drain() {
+            metrics.upstream_failure(&q.labels);
+        }
     }
 }
 
@@ -339,20 +348,29 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// Writes `raw` to the client connection's upstream connection, (re)connecting first when there
-/// is none or its relay ended; one more connection is tried if the write fails.
+/// Writes query `id` (`raw`) to the client connection's upstream connection, (re)connecting first
+/// when there is none or its relay ended; one more connection is tried if the write fails. The
+/// query is registered with the connection before it is written, so its answer (or SERVFAIL,
+/// when the connection ends first) comes from that connection's relay, exactly once: a query the
+/// relay already answered is not sent again. Errors: no connection took it; the query is handed
+/// back for the caller's SERVFAIL.
 async fn send_upstream(
     pod: &Arc<PodProxy>,
     dns: &DnsProxy,
     upstream: &mut Option<Upstream>,
     client: &ClientWriter,
-    pending: &Pending,
     raw: &[u8],
-) -> Result<(), forward::ForwardError> {
+    id: u16,
+    mut query: PendingQuery,
+) -> Result<(), (forward::ForwardError, PendingQuery)> {
     for _ in 0..2 {
-        if upstream.as_ref().is_none_or(|u| u.relay.0.is_finished()) {
-            let stream = forward::tcp_connect(&pod.sockets, dns.upstreams()).await?;
+        if upstream.as_ref().is_none_or(|u| lock(&u.pending).ended) {
+            let stream = match forward::tcp_connect(&pod.sockets, dns.upstreams()).await {
+                Ok(s) => s,
+                Err(e) => return Err((e, query)),
+            };
             let (reader, writer) = stream.into_split();
+            let pending = Pending::default();
             let relay = tokio::spawn(relay_answers(
                 pod.clone(),
                 reader,
@@ -362,26 +380,43 @@ async fn send_upstream(
             *upstream = Some(Upstream {
                 writer,
                 relay: AbortOnDrop(relay),
+                pending,
             });
         }
-        if let Some(up) = upstream.as_mut() {
-            match forward::write_frame(&mut up.writer, raw).await {
-                Ok(()) => return Ok(()),
-                Err(e) => {
-                    tracing::debug!(target: "dns", error = %e, "upstream TCP write; reconnecting");
-                    *upstream = None;
-                }
+        let Some(up) = upstream.as_mut() else {
+            continue;
+        };
+        {
+            let mut in_flight = lock(&up.pending);
+            if in_flight.ended {
+                // the relay ended after the check above: connect again
+                drop(in_flight);
+                *upstream = None;
+                continue;
             }
+            in_flight.queries.insert(id, query);
         }
+        if let Err(e) = forward::write_frame(&mut up.writer, raw).await {
+            let Some(q) = lock(&up.pending).queries.remove(&id) else {
+                // the relay answered it (SERVFAIL: its connection ended) meanwhile
+                return Ok(());
+            };
+            tracing::debug!(target: "dns", error = %e, "upstream TCP write; reconnecting");
+            query = q;
+            *upstream = None;
+            continue;
+        }
+        return Ok(());
     }
-    Err(forward::ForwardError::NoAnswer(
-        dns.upstreams().servers.clone(),
+    Err((
+        forward::ForwardError::NoAnswer(dns.upstreams().servers.clone()),
+        query,
     ))
 }
 
 /// Copies the upstream's answers to the client as they come, timing the requests they answer.
-/// When the upstream connection ends (or breaks) first, every query still waiting gets SERVFAIL
-/// (counted as an upstream failure) rather than no answer at all.
+/// When the upstream connection ends (or breaks) first, every query still waiting on it gets
+/// SERVFAIL (counted as an upstream failure) rather than no answer at all.
 async fn relay_answers(
     pod: Arc<PodProxy>,
     mut upstream: tokio::net::tcp::OwnedReadHalf,
@@ -390,7 +425,7 @@ async fn relay_answers(
 ) {
     while let Ok(Some(answer)) = forward::read_frame(&mut upstream).await {
         if let Some(id) = answer.get(..2).map(|b| u16::from_be_bytes([b[0], b[1]]))
-            && let Some(q) = lock(&pending).remove(&id)
+            && let Some(q) = lock(&pending).queries.remove(&id)
         {
             pod.ctx
                 .metrics
@@ -402,10 +437,15 @@ async fn relay_answers(
             .await
             .is_err()
         {
+            lock(&pending).ended = true;
             return;
         }
     }
-    let unanswered: Vec<PendingQuery> = lock(&pending).drain().map(|(_, q)| q).collect();
+    let unanswered: Vec<PendingQuery> = {
+        let mut in_flight = lock(&pending);
+        in_flight.ended = true;
+        in_flight.queries.drain().map(|(_, q)| q).collect()
+    };
     for q in unanswered {
         pod.ctx.metrics.dns.upstream_failure(&q.labels);
         tracing::debug!(target: "dns", result = "upstream connection ended before the answer");

@@ -106,7 +106,8 @@ pub async fn handle_hbone(pod: Arc<PodProxy>, tcp: TcpStream, peer: SocketAddr) 
             return;
         }
     };
-    serve_streams(conn, peer, |req, respond| {
+    let mut drain = pod.drain.clone();
+    serve_streams(conn, peer, drain.started(), |req, respond| {
         // Checked here so the stream task keeps only the body, not the request head.
         let target = check_request(&req, local);
         let ends = Ends {
@@ -123,12 +124,15 @@ pub async fn handle_hbone(pod: Arc<PodProxy>, tcp: TcpStream, peer: SocketAddr) 
 /// a [`JoinSet`] owned here, so ending (or aborting) this future ends every stream of the connection.
 ///
 /// Sends a PING every 10 s and drops the connection (and its streams) when no PONG arrives within
-/// 20 s, as ztunnel's server does (`../shared/spec/ztunnel.md` §3). After a normal close the streams
-/// are awaited: with the connection gone their HTTP/2 halves fail fast, so they only finish their
-/// app side and access log.
+/// 20 s, as ztunnel's server does (`../shared/spec/ztunnel.md` §3). When `drain` resolves (the
+/// proxy shuts down) the connection is shut down gracefully, as ztunnel's server on drain: GOAWAY
+/// (the client opens no new stream here), the open streams run on, and the connection closes
+/// after the last one. After a close the streams are awaited: with the connection gone their
+/// HTTP/2 halves fail fast, so they only finish their app side and access log.
 pub async fn serve_streams<T, F, Fut>(
     mut conn: h2::server::Connection<T, Bytes>,
     peer: SocketAddr,
+    drain: impl Future<Output = ()>,
     mut on_stream: F,
 ) where
     T: AsyncRead + AsyncWrite + Unpin,
@@ -138,8 +142,15 @@ pub async fn serve_streams<T, F, Fut>(
     let mut streams = JoinSet::new();
     let keepalive = hbone::keepalive(conn.ping_pong());
     tokio::pin!(keepalive);
+    tokio::pin!(drain);
+    let mut draining = false;
     loop {
         tokio::select! {
+            () = &mut drain, if !draining => {
+                draining = true;
+                tracing::debug!(src.addr = %peer, "draining: GOAWAY sent");
+                conn.graceful_shutdown();
+            }
             next = conn.accept() => match next {
                 Some(Ok((req, respond))) => {
                     streams.spawn(on_stream(req, respond));
@@ -460,15 +471,20 @@ mod tests {
                 .await
                 .expect("server handshake");
             let peer: SocketAddr = "10.0.0.2:40000".parse().expect("addr");
-            serve_streams(conn, peer, move |_req, mut respond| {
-                let (alive, sensor) = tokio::sync::oneshot::channel::<()>();
-                let _ = sensors_tx.send(sensor);
-                async move {
-                    let _alive = alive;
-                    let _send = respond.send_response(Response::new(()), false);
-                    std::future::pending::<()>().await
-                }
-            })
+            serve_streams(
+                conn,
+                peer,
+                std::future::pending(),
+                move |_req, mut respond| {
+                    let (alive, sensor) = tokio::sync::oneshot::channel::<()>();
+                    let _ = sensors_tx.send(sensor);
+                    async move {
+                        let _alive = alive;
+                        let _send = respond.send_response(Response::new(()), false);
+                        std::future::pending::<()>().await
+                    }
+                },
+            )
             .await
         });
         let (client, conn) = crate::proxy::hbone::client_builder()
@@ -476,6 +492,86 @@ mod tests {
             .await
             .expect("client handshake");
         (client, conn, server, sensors)
+    }
+
+    /// A drained connection: GOAWAY, so the client opens nothing new there, while its open stream
+    /// carries on; the connection ends after that stream.
+    #[tokio::test]
+    async fn a_drained_connection_sends_goaway_and_closes_after_its_last_stream() {
+        use std::time::Duration;
+        let (a, b) = tokio::io::duplex(1 << 16);
+        let (drain_tx, drain_rx) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(async move {
+            let conn = hbone::server_builder()
+                .handshake::<_, Bytes>(b)
+                .await
+                .expect("server handshake");
+            let peer: SocketAddr = "10.0.0.2:40000".parse().expect("addr");
+            let drain = async {
+                let _ = drain_rx.await;
+            };
+            serve_streams(conn, peer, drain, |req, mut respond| async move {
+                let mut body = req.into_body();
+                let Ok(mut send) = respond.send_response(Response::new(()), false) else {
+                    return;
+                };
+                while let Some(Ok(chunk)) = body.data().await {
+                    let _ = body.flow_control().release_capacity(chunk.len());
+                    let _ = send.send_data(chunk, false);
+                }
+                let _ = send.send_data(Bytes::new(), true);
+            })
+            .await
+        });
+        let (client, conn) = crate::proxy::hbone::client_builder()
+            .handshake::<_, Bytes>(a)
+            .await
+            .expect("client handshake");
+        let driver = tokio::spawn(conn);
+        let mut client = client.ready().await.expect("ready");
+        let (resp, mut send) = client
+            .send_request(req(http::Method::CONNECT, "10.0.0.3:8080"), false)
+            .expect("send");
+        let resp = resp.await.expect("response");
+        assert_eq!(resp.status(), StatusCode::OK);
+        let mut body = resp.into_body();
+        drain_tx.send(()).expect("drain");
+        // GOAWAY: a new stream fails (refused before or after it is sent)
+        let refused = tokio::time::timeout(Duration::from_secs(5), async {
+            loop {
+                let Ok(mut c) = client.clone().ready().await else {
+                    return;
+                };
+                match c.send_request(req(http::Method::CONNECT, "10.0.0.3:8081"), true) {
+                    Err(_) => return,
+                    Ok((r, _)) => {
+                        if r.await.is_err() {
+                            return;
+                        }
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await;
+        assert!(refused.is_ok(), "no new stream after GOAWAY");
+        // the open stream keeps flowing
+        send.send_data(Bytes::from_static(b"still here"), false)
+            .expect("data");
+        let echoed = tokio::time::timeout(Duration::from_secs(5), body.data())
+            .await
+            .expect("echo in time")
+            .expect("a chunk")
+            .expect("data");
+        assert_eq!(&echoed[..], b"still here");
+        assert!(!server.is_finished(), "the connection waits for its stream");
+        // the stream ends: the connection closes
+        send.send_data(Bytes::new(), true).expect("end");
+        tokio::time::timeout(Duration::from_secs(5), server)
+            .await
+            .expect("the drained connection closes after its last stream")
+            .expect("server task");
+        let _ = tokio::time::timeout(Duration::from_secs(5), driver).await;
     }
 
     #[tokio::test(start_paused = true)]

@@ -32,13 +32,10 @@ const UNSUPPORTED: &[&str] = &[
     "PROXY_MODE",
     "PROXY_WORKLOAD_INFO",
     "LOCAL_XDS",
-    "INPOD_PORT_REUSE",
     "ZTUNNEL_WORKER_THREADS",
     "HTTP2_STREAM_WINDOW_SIZE",
     "HTTP2_CONNECTION_WINDOW_SIZE",
     "HTTP2_FRAME_SIZE",
-    "CONNECTION_TERMINATION_DEADLINE",
-    "TERMINATION_GRACE_PERIOD_SECONDS",
     "ENABLE_ORIG_SRC",
     "IPV6_ENABLED",
     "KEEPALIVE_TIME",
@@ -56,6 +53,28 @@ const UNSUPPORTED: &[&str] = &[
     "AUTHZ_POLICY_INFO_LOGGING",
     "DNS_PROXY_ADDR",
 ];
+
+/// ztunnel's drain deadline when neither `CONNECTION_TERMINATION_DEADLINE` nor
+/// `TERMINATION_GRACE_PERIOD_SECONDS` is set (`DEFAULT_CONNECTION_TERMINATION_DEADLINE`).
+pub const DEFAULT_TERMINATION_DEADLINE: Duration = Duration::from_secs(5);
+
+/// How long open connections may run on after a shutdown began, as ztunnel computes its
+/// `self_termination_deadline` (`src/config.rs`): `CONNECTION_TERMINATION_DEADLINE` when set,
+/// else from Kubernetes' `TERMINATION_GRACE_PERIOD_SECONDS` minus 5 s (minus 1 s when it is 10 s
+/// or less), at least 1 s, so that the rest is closed before the kubelet's SIGKILL; else
+/// [`DEFAULT_TERMINATION_DEADLINE`]. Unlike ztunnel, an explicit deadline longer than a set grace
+/// period is cut to the grace period (the SIGKILL would end it there anyway).
+pub fn termination_deadline(explicit: Option<Duration>, grace_secs: Option<u64>) -> Duration {
+    match (explicit, grace_secs) {
+        (Some(d), Some(g)) => d.min(Duration::from_secs(g)),
+        (Some(d), None) => d,
+        (None, Some(g)) => {
+            let left = if g > 10 { g - 5 } else { g.saturating_sub(1) };
+            Duration::from_secs(left.max(1))
+        }
+        (None, None) => DEFAULT_TERMINATION_DEADLINE,
+    }
+}
 
 /// What [`IstioEnv::from_vars`] rejects.
 #[derive(Debug, thiserror::Error)]
@@ -152,6 +171,13 @@ pub struct IstioEnv {
     /// `POOL_MAX_STREAMS_PER_CONNECTION` (1..=65535, a `u16` as in ztunnel; default 100) and
     /// `POOL_UNUSED_RELEASE_TIMEOUT` (a duration, default `5m`): the outbound HBONE pool.
     pub pool: PoolConfig,
+    /// How long a shutdown lets open connections finish before closing them
+    /// ([`termination_deadline`] of `CONNECTION_TERMINATION_DEADLINE` and
+    /// `TERMINATION_GRACE_PERIOD_SECONDS`).
+    pub termination_deadline: Duration,
+    /// `INPOD_PORT_REUSE` (default true): the in-pod listeners get `SO_REUSEPORT`, so a new
+    /// proxy process can take a pod over while the old one drains.
+    pub port_reuse: bool,
     unsupported: Vec<String>,
 }
 
@@ -221,6 +247,20 @@ impl IstioEnv {
             unused_release_timeout: release.unwrap_or(PoolConfig::default().unused_release_timeout),
         };
         let fake_ca = boolean("FAKE_CA")?;
+        let explicit_deadline = duration("CONNECTION_TERMINATION_DEADLINE", Duration::ZERO)?;
+        let grace = match get("TERMINATION_GRACE_PERIOD_SECONDS").filter(|v| !v.is_empty()) {
+            None => None,
+            Some(v) => Some(v.trim().parse::<u64>().map_err(|_| EnvError::Number {
+                name: "TERMINATION_GRACE_PERIOD_SECONDS",
+                value: v.to_owned(),
+                min: 0,
+                max: u64::MAX,
+            })?),
+        };
+        let port_reuse = match get("INPOD_PORT_REUSE").filter(|v| !v.is_empty()) {
+            None => true,
+            Some(_) => boolean("INPOD_PORT_REUSE")?,
+        };
         let xds_address = get("XDS_ADDRESS")
             .filter(|a| !a.is_empty())
             .map(str::to_owned);
@@ -325,6 +365,8 @@ impl IstioEnv {
                 .filter_map(|(k, v)| Some((k.strip_prefix("ISTIO_META_")?.to_owned(), v.clone())))
                 .collect(),
             pool,
+            termination_deadline: termination_deadline(explicit_deadline, grace),
+            port_reuse,
             unsupported,
         })
     }
@@ -488,14 +530,62 @@ mod tests {
         let err = env(&[("XDS_ADDRESS", "http://istiod:15010")]).expect_err("plaintext");
         assert!(err.to_string().contains("XDS_ADDRESS"), "{err}");
         let e = env(&[
-            ("INPOD_PORT_REUSE", "true"),
+            ("HTTP2_FRAME_SIZE", "65536"),
             ("PROXY_MODE", "shared"),
             ("XDS_ON_DEMAND", "true"),
         ])
         .expect("env");
         assert_eq!(e.unsupported().len(), 2, "{:?}", e.unsupported());
-        assert_eq!(e.unsupported()[0], "INPOD_PORT_REUSE");
+        assert_eq!(e.unsupported()[0], "HTTP2_FRAME_SIZE");
         assert!(e.unsupported()[1].starts_with("XDS_ON_DEMAND"));
+    }
+
+    #[test]
+    fn the_drain_deadline_and_port_reuse_follow_ztunnels_env() {
+        let e = env(&[]).expect("env");
+        assert_eq!(e.termination_deadline, Duration::from_secs(5));
+        assert!(e.port_reuse, "INPOD_PORT_REUSE defaults to true");
+        let e = env(&[
+            ("CONNECTION_TERMINATION_DEADLINE", "2500ms"),
+            ("INPOD_PORT_REUSE", "false"),
+        ])
+        .expect("env");
+        assert_eq!(e.termination_deadline, Duration::from_millis(2500));
+        assert!(!e.port_reuse);
+        assert!(e.unsupported().is_empty(), "{:?}", e.unsupported());
+        // from Kubernetes' grace period: 5 s (1 s when short) left for the forced close
+        for (grace, want) in [
+            ("30", 25),
+            ("11", 6),
+            ("10", 9),
+            ("2", 1),
+            ("1", 1),
+            ("0", 1),
+        ] {
+            let e = env(&[("TERMINATION_GRACE_PERIOD_SECONDS", grace)]).expect("env");
+            assert_eq!(e.termination_deadline, Duration::from_secs(want), "{grace}");
+        }
+        // an explicit deadline wins, but never beyond the grace period
+        let e = env(&[
+            ("CONNECTION_TERMINATION_DEADLINE", "3s"),
+            ("TERMINATION_GRACE_PERIOD_SECONDS", "30"),
+        ])
+        .expect("env");
+        assert_eq!(e.termination_deadline, Duration::from_secs(3));
+        let e = env(&[
+            ("CONNECTION_TERMINATION_DEADLINE", "60s"),
+            ("TERMINATION_GRACE_PERIOD_SECONDS", "30"),
+        ])
+        .expect("env");
+        assert_eq!(e.termination_deadline, Duration::from_secs(30));
+        for (name, bad) in [
+            ("CONNECTION_TERMINATION_DEADLINE", "soon"),
+            ("TERMINATION_GRACE_PERIOD_SECONDS", "-1"),
+            ("INPOD_PORT_REUSE", "maybe"),
+        ] {
+            let err = env(&[(name, bad)]).expect_err(name);
+            assert!(err.to_string().contains(name), "{err}");
+        }
     }
 
     #[test]

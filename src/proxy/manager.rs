@@ -10,18 +10,27 @@
 //! already runs with the same netns is acked without change; with another netns (sandbox recreated)
 //! the old set is stopped first. A Del stops the set and every connection it carries immediately, and
 //! releases the pod's reference on its certificate (the last pod of an identity drops it).
+//!
+//! Shutdown ([`ProxyManager::start_drain`], `../shared/spec/ztunnel.md` §3 "Drain / shutdown"):
+//! every pod stops accepting (its listeners close; with port reuse a new proxy process has taken
+//! the ports over already), its HBONE connections send GOAWAY, its pool hands out no pooled
+//! connection any more, and open connections finish on their own until the termination deadline,
+//! when the rest are closed ([`Draining::finish`]). Adds are refused from then on.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::IpAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde::Serialize;
 use tokio::net::TcpListener;
-use tokio::task::{AbortHandle, JoinSet};
+use tokio::task::{JoinHandle, JoinSet};
+use tokio::time::Instant;
 
 use crate::mesh::{DNS_PORT, HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT};
 use crate::netns::{Netns, NetnsId};
+use crate::proxy::drain::{self, DrainTrigger};
 use crate::proxy::identity::{CertManager, Identity, IdentityError};
 use crate::proxy::live::PolicyWatcher;
 use crate::proxy::pod::{PodProxy, ProxyContext};
@@ -46,6 +55,9 @@ pub enum PodProxyError {
     /// Reading the pod's addresses failed.
     #[error("reading the addresses of netns {0} failed")]
     Handoff(NetnsId),
+    /// The proxy is shutting down (draining): it starts no pod any more.
+    #[error("the proxy is shutting down")]
+    Draining,
 }
 
 fn is_link_local(ip: &IpAddr) -> bool {
@@ -82,12 +94,32 @@ fn ztunnel_workload_info<S: serde::Serializer>(
     st.end()
 }
 
+#[derive(Debug)]
 struct Running {
     netns: NetnsId,
     identity: Identity,
     ips: Vec<IpAddr>,
-    task: AbortHandle,
+    task: JoinHandle<()>,
+    drain: DrainTrigger,
     status: PodStatus,
+}
+
+/// A shutdown in progress: the pods whose drain [`ProxyManager::start_drain`] began, and the
+/// deadline of their open connections.
+#[derive(Debug)]
+pub struct Draining {
+    ctx: Arc<ProxyContext>,
+    pods: Vec<(String, Running)>,
+    deadline: Instant,
+}
+
+/// What [`Draining::finish`] saw.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DrainReport {
+    /// Pods whose connections all ended on their own before the deadline.
+    pub drained: usize,
+    /// Pods that still had open connections at the deadline (closed then).
+    pub forced: usize,
 }
 
 /// The reference on an identity's certificate that `add` takes; released when dropped unless
@@ -101,14 +133,24 @@ struct CertHold<'a> {
 pub struct ProxyManager {
     ctx: Arc<ProxyContext>,
     running: Mutex<HashMap<String, Running>>,
+    port_reuse: bool,
+    draining: AtomicBool,
 }
 
 impl ProxyManager {
-    /// A manager over `ctx`.
+    /// A manager over `ctx`, with port reuse on the pods' listeners (ztunnel's default).
     pub fn new(ctx: Arc<ProxyContext>) -> Arc<ProxyManager> {
+        ProxyManager::with_port_reuse(ctx, true)
+    }
+
+    /// A manager over `ctx`; `port_reuse` (`INPOD_PORT_REUSE`) puts `SO_REUSEPORT` on the pods'
+    /// listeners ([`PodSockets::with_port_reuse`]).
+    pub fn with_port_reuse(ctx: Arc<ProxyContext>, port_reuse: bool) -> Arc<ProxyManager> {
         Arc::new(ProxyManager {
             ctx,
             running: Mutex::new(HashMap::new()),
+            port_reuse,
+            draining: AtomicBool::new(false),
         })
     }
 
@@ -188,7 +230,7 @@ impl ProxyManager {
         self.stop_all();
     }
 
-    /// Stops every pod proxy.
+    /// Stops every pod proxy at once (their connections too).
     pub fn stop_all(&self) {
         if let Ok(mut r) = self.running.lock() {
             for (uid, p) in r.drain() {
@@ -198,6 +240,33 @@ impl ProxyManager {
                 self.ctx.certs.release(&p.identity);
             }
             self.ctx.metrics.workload_manager.active.set(0);
+        }
+    }
+
+    /// Begins a graceful shutdown: from now on Adds are refused ([`PodProxyError::Draining`]),
+    /// and every running pod stops accepting, sends GOAWAY on its HBONE connections and stops
+    /// pooling, while its open connections go on; they get `deadline` from now to end
+    /// ([`Draining::finish`]). The pods leave the table at once (a later Del finds nothing; their
+    /// certificates and local addresses are released when they finish).
+    pub fn start_drain(&self, deadline: Duration) -> Draining {
+        self.draining.store(true, Ordering::Release);
+        let pods: Vec<(String, Running)> = self
+            .running
+            .lock()
+            .map(|mut r| r.drain().collect())
+            .unwrap_or_default();
+        for (_, p) in &pods {
+            p.drain.start();
+        }
+        tracing::info!(
+            pods = pods.len(),
+            ?deadline,
+            "draining: listeners closed, open connections may finish"
+        );
+        Draining {
+            ctx: self.ctx.clone(),
+            pods,
+            deadline: Instant::now() + deadline,
         }
     }
 
@@ -218,6 +287,9 @@ impl ProxyManager {
         info: WorkloadInfo,
         netns: Netns,
     ) -> Result<(), PodProxyError> {
+        if self.draining.load(Ordering::Acquire) {
+            return Err(PodProxyError::Draining);
+        }
         if let Ok(r) = self.running.lock()
             && r.get(&uid).is_some_and(|p| p.netns == netns.id())
         {
@@ -240,7 +312,7 @@ impl ProxyManager {
         // sandbox recreated with the same identity keeps its certificate
         let hold = CertHold::take(&self.ctx.certs, &identity).await?;
         self.del(&uid);
-        let sockets = PodSockets::new(&netns, self.ctx.mark)?;
+        let sockets = PodSockets::new(&netns, self.ctx.mark)?.with_port_reuse(self.port_reuse);
         let outbound_l = sockets.listen(OUTBOUND_PORT).await?;
         let inbound_l = sockets.listen(INBOUND_PLAINTEXT_PORT).await?;
         let hbone_l = sockets.listen(HBONE_PORT).await?;
@@ -253,6 +325,7 @@ impl ProxyManager {
         };
         let server_tls = tls::server_config(self.ctx.certs.clone(), identity.clone())?;
         let ips = workload.workload_ips.clone();
+        let (drain, drain_watch) = drain::channel();
         let pod = Arc::new(PodProxy {
             ctx: self.ctx.clone(),
             ips: ips.clone(),
@@ -262,13 +335,16 @@ impl ProxyManager {
             sockets,
             server_tls,
             live: Arc::default(),
+            drain: drain_watch,
         });
         let span = tracing::info_span!("pod", %uid, name = %info.name, namespace = %info.namespace);
-        let task = tokio::spawn(tracing::Instrument::instrument(
-            serve(pod, outbound_l, inbound_l, hbone_l, dns_l),
-            span,
-        ))
-        .abort_handle();
+        let listeners = Listeners {
+            outbound: outbound_l,
+            inbound: inbound_l,
+            hbone: hbone_l,
+            dns: dns_l,
+        };
+        let task = tokio::spawn(tracing::Instrument::instrument(serve(pod, listeners), span));
         let dns_port = self.ctx.dns.as_ref().map(|_| DNS_PORT);
         tracing::info!(%uid, %identity, netns = %netns.id(), ports = ?[OUTBOUND_PORT, INBOUND_PLAINTEXT_PORT, HBONE_PORT], dns = ?dns_port, "pod proxy listening");
         let status = PodStatus {
@@ -286,6 +362,7 @@ impl ProxyManager {
                     identity,
                     ips,
                     task,
+                    drain,
                     status,
                 },
             );
@@ -324,6 +401,51 @@ impl ProxyManager {
     }
 }
 
+// === impl Draining ===
+
+impl Draining {
+    /// Waits until every draining pod's connections ended, or the deadline passed; then closes
+    /// what is left (those pods' tasks are aborted, their sockets closed) and releases the pods'
+    /// certificates and local addresses.
+    pub async fn finish(self) -> DrainReport {
+        let Draining {
+            ctx,
+            mut pods,
+            deadline,
+        } = self;
+        let all = futures::future::join_all(pods.iter_mut().map(|(_, p)| &mut p.task));
+        let timed_out = tokio::time::timeout_at(deadline, all).await.is_err();
+        let mut report = DrainReport {
+            drained: 0,
+            forced: 0,
+        };
+        for (uid, p) in pods {
+            if p.task.is_finished() {
+                report.drained += 1;
+            } else {
+                p.task.abort();
+                report.forced += 1;
+                tracing::info!(%uid, "termination deadline passed: closing the pod's open connections");
+            }
+            ctx.local.remove(&uid, &p.ips);
+            ctx.certs.release(&p.identity);
+        }
+        if timed_out {
+            tracing::warn!(
+                drained = report.drained,
+                forced = report.forced,
+                "drain deadline expired with open connections; closed them"
+            );
+        } else {
+            tracing::info!(
+                pods = report.drained,
+                "drain complete: every connection ended"
+            );
+        }
+        report
+    }
+}
+
 // === impl CertHold ===
 
 impl<'a> CertHold<'a> {
@@ -353,21 +475,33 @@ impl Drop for CertHold<'_> {
     }
 }
 
+/// A pod's listeners, as [`serve`] takes them.
+struct Listeners {
+    outbound: TcpListener,
+    inbound: TcpListener,
+    hbone: TcpListener,
+    dns: Option<dns::PodDns>,
+}
+
 /// Accepts on the three listeners and serves the pod's DNS proxy ([`dns::serve`]) when it has one;
 /// connection tasks live in a JoinSet so aborting this task ends them. Accepted sockets inherit
 /// TCP_NODELAY and TCP keepalive from the listeners ([`tune_listener`]); the outbound pool is
 /// swept every [`PoolConfig::sweep_interval`](crate::proxy::pool::PoolConfig::sweep_interval);
 /// open inbound connections are re-checked when the policies change ([`PolicyWatcher`]).
-async fn serve(
-    pod: Arc<PodProxy>,
-    outbound_l: TcpListener,
-    inbound_l: TcpListener,
-    hbone_l: TcpListener,
-    dns_l: Option<dns::PodDns>,
-) {
+///
+/// Once the pod's drain starts ([`PodProxy::drain`]) the listeners and the DNS proxy close, the
+/// pool stops pooling ([`Pool::drain`]), and this returns when the last connection ended.
+async fn serve(pod: Arc<PodProxy>, listeners: Listeners) {
+    let Listeners {
+        outbound: outbound_l,
+        inbound: inbound_l,
+        hbone: hbone_l,
+        dns: dns_l,
+    } = listeners;
     let mut conns = JoinSet::new();
+    let mut dns_task = JoinSet::new();
     if let (Some(listeners), Some(d)) = (dns_l, pod.ctx.dns.clone()) {
-        conns.spawn(dns::serve(pod.clone(), d, listeners));
+        dns_task.spawn(dns::serve(pod.clone(), d, listeners));
     }
     let mut sweep = tokio::time::interval(pod.pool.config().sweep_interval());
     sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -376,8 +510,10 @@ async fn serve(
         pod.live.clone(),
         pod.workload.clone(),
     );
+    let mut drain = pod.drain.clone();
     loop {
         tokio::select! {
+            () = drain.started() => break,
             () = policies.changed() => {
                 policies.recheck();
             }
@@ -405,6 +541,24 @@ async fn serve(
             }
         }
     }
+    drop((outbound_l, inbound_l, hbone_l));
+    dns_task.abort_all();
+    pod.pool.drain();
+    tracing::info!(
+        connections = conns.len(),
+        "pod proxy draining: listeners closed"
+    );
+    loop {
+        tokio::select! {
+            () = policies.changed() => {
+                policies.recheck();
+            }
+            next = conns.join_next() => if next.is_none() {
+                break;
+            },
+        }
+    }
+    tracing::info!("pod proxy drained");
 }
 
 /// TCP keepalive of accepted sockets, as ztunnel: first probe after 180 s idle, then every 180 s,
@@ -547,6 +701,45 @@ mod tests {
         let _ = manager.add("uid-late".into(), info, netns).await;
         let asked = ca.0.lock().expect("asked").clone();
         assert_eq!(asked, ["spiffe://corp.example/ns/default/sa/erin"]);
+    }
+
+    #[tokio::test]
+    async fn a_draining_manager_refuses_new_pods() {
+        let state = crate::proxy::state::StateHandle::new(Default::default());
+        let certs = CertManager::remote(
+            Arc::new(Refusing),
+            Arc::new(TrustBundle::new(Vec::new(), &[])),
+            CertOptions::new(Duration::from_secs(3600)),
+        );
+        let ctx = Arc::new(ProxyContext {
+            state,
+            certs,
+            metrics: crate::proxy::metrics::Metrics::default(),
+            mark: crate::mesh::PacketMark::DEFAULT,
+            local: Default::default(),
+            pool: crate::proxy::pool::PoolConfig::default(),
+            dns: None,
+            trust_domain: "cluster.local".into(),
+        });
+        let manager = ProxyManager::new(ctx);
+        let draining = manager.start_drain(Duration::from_secs(5));
+        let info = WorkloadInfo {
+            name: "late".into(),
+            namespace: "default".into(),
+            service_account: "erin".into(),
+        };
+        let err = manager
+            .add("uid-late".into(), info, Netns::current().expect("netns"))
+            .await
+            .expect_err("refused while draining");
+        assert!(matches!(err, PodProxyError::Draining), "{err}");
+        assert_eq!(
+            draining.finish().await,
+            DrainReport {
+                drained: 0,
+                forced: 0
+            }
+        );
     }
 
     #[test]

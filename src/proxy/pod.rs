@@ -10,6 +10,7 @@ use std::sync::{Arc, PoisonError, RwLock};
 
 use crate::mesh::PacketMark;
 use crate::proxy::dns::shared::DnsProxy;
+use crate::proxy::drain::DrainWatch;
 use crate::proxy::identity::{CertManager, Identity};
 use crate::proxy::live::LiveConnections;
 use crate::proxy::metrics::Metrics;
@@ -133,6 +134,9 @@ pub struct PodProxy {
     pub server_tls: Arc<rustls::ServerConfig>,
     /// The pod's open inbound connections, re-checked when the policies change.
     pub live: Arc<LiveConnections>,
+    /// Turns draining when the proxy shuts down: the accept loop stops, HBONE connections send
+    /// GOAWAY ([`crate::proxy::manager`]).
+    pub drain: DrainWatch,
 }
 
 impl PodProxy {

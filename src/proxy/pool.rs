@@ -22,6 +22,9 @@
 //! good: "TODO: in the future, we can keep track of these and start to use them once they finish
 //! some streams"), and one with open streams is not released.
 //!
+//! On shutdown [`Pool::drain`] lets go of every pooled connection (each closes once its open
+//! streams ended) and from then on each stream gets a connection of its own, never pooled.
+//!
 //! [`Pool::send_request`] retries a CONNECT once on a fresh connection when the peer provably did
 //! not process it (REFUSED_STREAM, or a GOAWAY that excludes the stream: RFC 9113 §8.7), which
 //! covers a GOAWAY racing the pool's readiness check.
@@ -33,7 +36,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -256,6 +259,7 @@ pub struct Pool<C = PodConnector> {
     config: PoolConfig,
     slots: std::sync::Mutex<HashMap<PoolKey, Slot>>,
     next_id: AtomicU64,
+    draining: AtomicBool,
 }
 
 // === impl Pool ===
@@ -279,6 +283,18 @@ impl<C: Connector> Pool<C> {
             config,
             slots: Default::default(),
             next_id: AtomicU64::new(1),
+            draining: AtomicBool::new(false),
+        }
+    }
+
+    /// Shutdown: forgets every pooled connection (each closes when its last open stream ends,
+    /// nobody else holding it) and pools nothing from now on: each later stream dials a
+    /// connection of its own, closed when that stream ends.
+    pub fn drain(&self) {
+        self.draining.store(true, Ordering::Release);
+        let slots = std::mem::take(&mut *self.slots.lock().unwrap_or_else(|p| p.into_inner()));
+        if !slots.is_empty() {
+            tracing::debug!(keys = slots.len(), "HBONE pool drained");
         }
     }
 
@@ -393,6 +409,15 @@ impl<C: Connector> Pool<C> {
         key: &PoolKey,
         avoid: Option<u64>,
     ) -> Result<(SendRequest<Bytes>, StreamLease, u64), PoolError> {
+        if self.draining.load(Ordering::Acquire) {
+            let (sender, _) = self.dial_timed(key).await?;
+            let ready = sender.ready().await.map_err(|source| PoolError::H2 {
+                addr: key.addr,
+                source,
+            })?;
+            let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+            return Ok((ready, StreamLease::take(&Arc::new(Usage::new())), id));
+        }
         let slot = {
             let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
             slots.entry(key.clone()).or_default().clone()
@@ -415,19 +440,7 @@ impl<C: Connector> Pool<C> {
                 }
             }
         }
-        let (sender, max_streams) =
-            match tokio::time::timeout(CONNECT_TIMEOUT, self.dial(key)).await {
-                Ok(r) => r?,
-                Err(_) => {
-                    return Err(PoolError::Connect {
-                        addr: key.addr,
-                        source: SocketError::Io {
-                            op: format!("HBONE handshake with {}", key.addr),
-                            source: std::io::Error::new(std::io::ErrorKind::TimedOut, "timed out"),
-                        },
-                    });
-                }
-            };
+        let (sender, max_streams) = self.dial_timed(key).await?;
         let ready = sender
             .clone()
             .ready()
@@ -446,6 +459,20 @@ impl<C: Connector> Pool<C> {
             usage,
         });
         Ok((ready, lease, id))
+    }
+
+    /// [`Pool::dial`] within [`CONNECT_TIMEOUT`].
+    async fn dial_timed(&self, key: &PoolKey) -> Result<(SendRequest<Bytes>, usize), PoolError> {
+        match tokio::time::timeout(CONNECT_TIMEOUT, self.dial(key)).await {
+            Ok(r) => r,
+            Err(_) => Err(PoolError::Connect {
+                addr: key.addr,
+                source: SocketError::Io {
+                    op: format!("HBONE handshake with {}", key.addr),
+                    source: std::io::Error::new(std::io::ErrorKind::TimedOut, "timed out"),
+                },
+            }),
+        }
     }
 
     /// A new connection to `key` and its stream cap: the configured one, or the peer's

@@ -7,6 +7,12 @@
 //! first IPv4 socket on (a connect, or the IPv4 listener fallback of a pod without IPv6), the thread
 //! also keeps a stock of [`STOCK_TARGET`] IPv4 sockets ready (that many file descriptors per pod),
 //! refilled in batches: most connects then take a socket without waiting for the thread.
+//!
+//! Port reuse (ztunnel's `INPOD_PORT_REUSE`, on by default): the pod's listeners get
+//! `SO_REUSEPORT`, so a new proxy process can bind them while the old one still runs, and
+//! [`steer_to_newest`] makes the kernel hand every new connection (and datagram) to the socket
+//! bound last, so the old process's listeners receive nothing more and can close without
+//! resetting a connection waiting in their accept queue.
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -82,6 +88,7 @@ impl Stock {
 pub struct PodSockets {
     tx: stdmpsc::Sender<Request>,
     stock: Arc<Stock>,
+    reuse_port: bool,
 }
 
 /// A non-blocking TCP socket of `domain` in the calling thread's netns, with SO_MARK `mark`.
@@ -144,9 +151,39 @@ impl PodSockets {
             })
             .map_err(io_err("spawn pod socket thread"))?;
         match ready_rx.recv() {
-            Ok(Ok(())) => Ok(PodSockets { tx, stock }),
+            Ok(Ok(())) => Ok(PodSockets {
+                tx,
+                stock,
+                reuse_port: false,
+            }),
             Ok(Err(e)) => Err(SocketError::Netns(e)),
             Err(_) => Err(SocketError::Stopped),
+        }
+    }
+
+    /// The same factory with `SO_REUSEPORT` on (or off) for the listeners and the bound UDP
+    /// sockets it makes from now on ([`PodSockets::listen`], [`PodSockets::listen_at`],
+    /// [`PodSockets::udp_bind`]); off by default.
+    pub fn with_port_reuse(mut self, on: bool) -> PodSockets {
+        self.reuse_port = on;
+        self
+    }
+
+    /// `SO_REUSEPORT` on `sock` when port reuse is on.
+    fn reuse(&self, sock: &Socket) -> Result<(), SocketError> {
+        if self.reuse_port {
+            sock.set_reuse_port(true)
+                .map_err(io_err("set SO_REUSEPORT"))?;
+        }
+        Ok(())
+    }
+
+    /// After bind (UDP) or listen (TCP): with port reuse, new flows go to this socket.
+    fn take_over(&self, sock: &Socket, addr: SocketAddr) {
+        if self.reuse_port
+            && let Err(e) = steer_to_newest(sock)
+        {
+            tracing::warn!(%addr, error = %e, "cannot steer new connections to the newest listener");
         }
     }
 
@@ -195,23 +232,27 @@ impl PodSockets {
 
     /// A UDP socket bound to `addr` in the pod netns (port 0: any), with the packet mark. No
     /// SO_REUSEADDR: UDP has no TIME_WAIT to wait out, and with it a second socket could bind the
-    /// same port and take its datagrams.
+    /// same port and take its datagrams. With port reuse, `SO_REUSEPORT` (only sockets of the same
+    /// user can join) and new datagrams go to the newest socket ([`steer_to_newest`]).
     pub async fn udp_bind(&self, addr: SocketAddr) -> Result<UdpSocket, SocketError> {
         let sock = self.fresh_socket(Domain::for_address(addr), true).await?;
         if addr.is_ipv6() {
             sock.set_only_v6(true).map_err(io_err("set IPV6_V6ONLY"))?;
         }
+        self.reuse(&sock)?;
         sock.bind(&SockAddr::from(addr))
             .map_err(io_err(format!("bind udp {addr}")))?;
+        self.take_over(&sock, addr);
         UdpSocket::from_std(sock.into()).map_err(io_err("register udp socket"))
     }
 
     /// A TCP listener on exactly `addr` in the pod netns (e.g. `127.0.0.1:15053`), with
-    /// SO_REUSEADDR and the packet mark.
+    /// SO_REUSEADDR, the packet mark and, with port reuse, SO_REUSEPORT.
     pub async fn listen_at(&self, addr: SocketAddr) -> Result<TcpListener, SocketError> {
         let sock = self.fresh_socket(Domain::for_address(addr), false).await?;
         sock.set_reuse_address(true)
             .map_err(io_err("set SO_REUSEADDR"))?;
+        self.reuse(&sock)?;
         if addr.is_ipv6() {
             sock.set_only_v6(true).map_err(io_err("set IPV6_V6ONLY"))?;
         }
@@ -219,11 +260,12 @@ impl PodSockets {
             .map_err(io_err(format!("bind {addr}")))?;
         sock.listen(LISTEN_BACKLOG)
             .map_err(io_err(format!("listen {addr}")))?;
+        self.take_over(&sock, addr);
         TcpListener::from_std(sock.into()).map_err(io_err("register listener"))
     }
 
     /// A listener on `[::]:port` (dual stack) or, when IPv6 is unavailable in the pod, `0.0.0.0:port`,
-    /// with SO_REUSEADDR and best-effort IP_TRANSPARENT.
+    /// with SO_REUSEADDR, best-effort IP_TRANSPARENT and, with port reuse, SO_REUSEPORT.
     pub async fn listen(&self, port: u16) -> Result<TcpListener, SocketError> {
         let (sock, addr) = match self.socket(Domain::IPV6).await {
             Ok(s) if s.set_only_v6(false).is_ok() => {
@@ -236,11 +278,13 @@ impl PodSockets {
         };
         sock.set_reuse_address(true)
             .map_err(io_err("set SO_REUSEADDR"))?;
+        self.reuse(&sock)?;
         let _ = sock.set_ip_transparent_v4(true);
         sock.bind(&SockAddr::from(addr))
             .map_err(io_err(format!("bind {addr}")))?;
         sock.listen(LISTEN_BACKLOG)
             .map_err(io_err(format!("listen {addr}")))?;
+        self.take_over(&sock, addr);
         TcpListener::from_std(sock.into()).map_err(io_err("register listener"))
     }
 
@@ -289,6 +333,73 @@ impl PodSockets {
     }
 }
 
+/// `SO_ATTACH_REUSEPORT_CBPF` (asm-generic/socket.h; the value of x86_64 and arm64).
+const SO_ATTACH_REUSEPORT_CBPF: libc::c_int = 51;
+
+/// Makes the kernel pick the second socket of `sock`'s `SO_REUSEPORT` group for every new
+/// connection or datagram: a one-instruction classic BPF program (`ret #1`) set on the group,
+/// which `sock` (bound, and listening for TCP) has joined last. While an old process's socket and
+/// this one share the port the group is `[old, this]`, so nothing new goes to the old socket,
+/// which can then close without resetting connections queued in it; once the old one is gone,
+/// the index is past the end and the kernel falls back to its hash over the one left. (With
+/// three generations at once the middle one would be picked; an upgrade has two.)
+///
+/// Errors: the `setsockopt` failed (e.g. `sock` has no `SO_REUSEPORT`).
+#[allow(unsafe_code)]
+pub fn steer_to_newest(sock: &impl std::os::fd::AsRawFd) -> io::Result<()> {
+    let mut program = [libc::sock_filter {
+        code: (libc::BPF_RET | libc::BPF_K) as u16,
+        jt: 0,
+        jf: 0,
+        k: 1,
+    }];
+    let fprog = libc::sock_fprog {
+        len: 1,
+        filter: program.as_mut_ptr(),
+    };
+    let len = libc::socklen_t::try_from(std::mem::size_of::<libc::sock_fprog>())
+        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: `fprog` points at `program`, both alive for the call; the kernel copies the program.
+    let rc = unsafe {
+        libc::setsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            SO_ATTACH_REUSEPORT_CBPF,
+            (&raw const fprog).cast(),
+            len,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// A TCP listener on `addr` in the calling thread's netns (the node's admin, readiness and
+/// metrics endpoints) with SO_REUSEADDR and, when `reuse_port`, SO_REUSEPORT and
+/// [`steer_to_newest`], so a new process can bind the same address while the old one drains.
+pub fn node_listener(addr: SocketAddr, reuse_port: bool) -> io::Result<TcpListener> {
+    let sock = Socket::new(
+        Domain::for_address(addr),
+        Type::STREAM.nonblocking().cloexec(),
+        Some(Protocol::TCP),
+    )?;
+    sock.set_reuse_address(true)?;
+    if reuse_port {
+        sock.set_reuse_port(true)?;
+    }
+    if addr.is_ipv6() {
+        sock.set_only_v6(false)?;
+    }
+    sock.bind(&SockAddr::from(addr))?;
+    sock.listen(LISTEN_BACKLOG)?;
+    if reuse_port {
+        steer_to_newest(&sock)?;
+    }
+    TcpListener::from_std(sock.into())
+}
+
 /// The original destination of a redirected connection: `SO_ORIGINAL_DST` (v4), then
 /// `IP6T_SO_ORIGINAL_DST` (v6), else the local address; v4-mapped v6 is canonicalised to v4.
 pub fn original_dst(stream: &TcpStream) -> io::Result<SocketAddr> {
@@ -330,6 +441,70 @@ pub fn reset(tcp: tokio::net::TcpStream) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Two generations on one port: new connections all go to the newer listener, none waits in
+    /// the older one (which can close without resetting anything); once the newer one is gone the
+    /// older takes them again.
+    #[tokio::test]
+    async fn with_port_reuse_new_connections_go_to_the_newest_listener() {
+        let old = node_listener("127.0.0.1:0".parse().expect("addr"), true).expect("old");
+        let addr = old.local_addr().expect("addr");
+        let new = node_listener(addr, true).expect("the same port again");
+        for _ in 0..20 {
+            let _c = tokio::net::TcpStream::connect(addr).await.expect("connect");
+            tokio::time::timeout(std::time::Duration::from_secs(5), new.accept())
+                .await
+                .expect("the newest listener accepts")
+                .expect("accept");
+        }
+        let none = tokio::time::timeout(std::time::Duration::from_millis(100), old.accept()).await;
+        assert!(none.is_err(), "nothing went to the old listener");
+        drop(new);
+        let _c = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        tokio::time::timeout(std::time::Duration::from_secs(5), old.accept())
+            .await
+            .expect("the old listener alone takes them")
+            .expect("accept");
+        // without port reuse a second bind of the port fails
+        let single = node_listener("127.0.0.1:0".parse().expect("addr"), false).expect("single");
+        assert!(node_listener(single.local_addr().expect("addr"), false).is_err());
+    }
+
+    #[tokio::test]
+    async fn pod_udp_and_tcp_sockets_share_their_port_with_port_reuse() {
+        let ns = Netns::current().expect("netns");
+        let socks = PodSockets::new(&ns, PacketMark::DEFAULT)
+            .expect("socket thread")
+            .with_port_reuse(true);
+        let first = socks
+            .listen_at("127.0.0.1:0".parse().expect("addr"))
+            .await
+            .expect("tcp");
+        let at = first.local_addr().expect("addr");
+        let second = socks.listen_at(at).await.expect("tcp again");
+        let _c = tokio::net::TcpStream::connect(at).await.expect("connect");
+        tokio::time::timeout(std::time::Duration::from_secs(5), second.accept())
+            .await
+            .expect("newest accepts")
+            .expect("accept");
+        let u1 = socks
+            .udp_bind("127.0.0.1:0".parse().expect("addr"))
+            .await
+            .expect("udp");
+        let uat = u1.local_addr().expect("addr");
+        let u2 = socks.udp_bind(uat).await.expect("udp again");
+        let client = tokio::net::UdpSocket::bind("127.0.0.1:0")
+            .await
+            .expect("client");
+        client.send_to(b"q", uat).await.expect("send");
+        let mut buf = [0u8; 8];
+        let (n, _) =
+            tokio::time::timeout(std::time::Duration::from_secs(5), u2.recv_from(&mut buf))
+                .await
+                .expect("newest gets the datagram")
+                .expect("recv");
+        assert_eq!(&buf[..n], b"q");
+    }
 
     #[test]
     fn canonicalises_mapped_addresses() {

@@ -155,8 +155,8 @@ impl Workload {
     }
 
     /// The workload of a pod known only from its handoff (Kubernetes mode without a workload
-    /// source that lists it, as ztunnel serves an in-pod workload from its ZDS `WorkloadInfo`):
-    /// HBONE, the given trust domain and addresses.
+    /// source that lists it yet; ztnode's choice: ztunnel waits up to 5 s for the record): HBONE,
+    /// the given trust domain (the node's `TRUST_DOMAIN`) and addresses.
     pub fn from_handoff(
         trust_domain: &str,
         uid: &str,

@@ -25,9 +25,10 @@ impl BridgeCapture {
         }
     }
 
-    /// Stops the capture and checks it: every segment between two addresses of `mesh` (the
-    /// enrolled pods) is on the HBONE port 15008, and no segment at all (to or from anyone)
-    /// carries one of `secrets` (payloads the test sent between mesh pods). Returns the segments.
+    /// Stops the capture and checks it: it saw HBONE (port 15008) between two addresses of `mesh`
+    /// (the enrolled pods), every segment between them is on that port, and no segment at all (to
+    /// or from anyone) carries one of `secrets` (payloads the test sent between mesh pods).
+    /// Returns the segments.
     #[track_caller]
     pub fn check(mut self, mesh: &[IpAddr], secrets: &[&[u8]]) -> Vec<TcpSegment> {
         drop(self.dump.take());
@@ -55,6 +56,13 @@ impl BridgeCapture {
                 );
             }
         }
+        assert!(
+            segs.iter().any(|s| mesh.contains(&s.src)
+                && mesh.contains(&s.dst)
+                && (s.src_port == 15008 || s.dst_port == 15008)),
+            "the capture saw no HBONE between the mesh pods ({} segments)",
+            segs.len()
+        );
         segs
     }
 }

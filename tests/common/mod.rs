@@ -23,6 +23,7 @@ pub fn prefix(tag: &str) -> String {
 pub mod capture;
 pub mod istiod;
 pub mod kube;
+pub mod lifecycle;
 pub mod node;
 
 /// Connects from inside `ns` to `to`; `None` when the connection is reset before connect returns

@@ -142,6 +142,8 @@ fn check_rbac(r: &Rendered, p: &Platform) -> Result<()> {
         .flat_map(|v| [grant("", "pods", None, v), grant("", "namespaces", None, v)])
         .collect();
     want.insert(grant("", "pods/status", None, "patch"));
+    // On SIGTERM: does the DaemonSet's node selection still take this node?
+    want.insert(grant("", "nodes", None, "get"));
     if p.openshift {
         let scc = "securitycontextconstraints";
         want.insert(grant(
@@ -304,6 +306,15 @@ fn check_daemonset(r: &Rendered, p: &Platform) -> Result<()> {
         unavailable == Some(&IntOrString::Int(1)),
         "maxUnavailable {unavailable:?}"
     );
+    // hostNetwork: a surge pod's ports are host ports the old pod holds; it would never start.
+    let surge = strategy
+        .rolling_update
+        .as_ref()
+        .and_then(|r| r.max_surge.as_ref());
+    ensure!(
+        surge == Some(&IntOrString::Int(0)),
+        "maxSurge {surge:?} (with hostNetwork the surge pod cannot be placed)"
+    );
 
     let pod = pod_spec(ds)?;
     ensure!(
@@ -319,8 +330,15 @@ fn check_daemonset(r: &Rendered, p: &Platform) -> Result<()> {
     let sa = pod.service_account_name.as_deref();
     ensure!(sa == Some(SERVICE_ACCOUNT), "serviceAccountName {sa:?}");
     ensure!(
-        pod.automount_service_account_token != Some(false),
-        "API token not mounted"
+        pod.automount_service_account_token == Some(true),
+        "the pod does not ask for its API token: {:?}",
+        pod.automount_service_account_token
+    );
+    let sa = r.service_accounts.first().context("no ServiceAccount")?;
+    ensure!(
+        sa.automount_service_account_token == Some(false),
+        "the ServiceAccount mounts its token into every pod: {:?}",
+        sa.automount_service_account_token
     );
     let prio = pod.priority_class_name.as_deref();
     ensure!(
@@ -356,6 +374,30 @@ fn check_daemonset(r: &Rendered, p: &Platform) -> Result<()> {
         c.image,
         p.image
     );
+    ensure!(
+        !p.image.ends_with(":latest") && p.image.contains(':'),
+        "image {} is not pinned to a version",
+        p.image
+    );
+    let pull = c.image_pull_policy.as_deref();
+    ensure!(pull == Some("IfNotPresent"), "imagePullPolicy {pull:?}");
+    let annotations = spec
+        .template
+        .metadata
+        .as_ref()
+        .and_then(|m| m.annotations.as_ref());
+    let apparmor = annotations.and_then(|a| {
+        a.get(&format!(
+            "container.apparmor.security.beta.kubernetes.io/{}",
+            c.name
+        ))
+    });
+    ensure!(
+        apparmor.map(String::as_str) == Some("unconfined"),
+        "AppArmor annotation for {} is {apparmor:?} (istio-cni's chart: unconfined)",
+        c.name
+    );
+    check_resources(c)?;
     check_host_mounts(pod, c, p)?;
     check_env(c, p)?;
     check_probe(c)?;
@@ -485,6 +527,20 @@ fn check_env(c: &Container, p: &Platform) -> Result<()> {
     Ok(())
 }
 
+fn check_resources(c: &Container) -> Result<()> {
+    let res = c.resources.as_ref().context("no resources")?;
+    let requests = res.requests.as_ref().context("no resource requests")?;
+    for r in ["cpu", "memory"] {
+        ensure!(requests.contains_key(r), "no {r} request");
+    }
+    ensure!(
+        res.limits.as_ref().is_none_or(|l| l.is_empty()),
+        "limits {:?}: a throttled or killed proxy cuts every pod's traffic",
+        res.limits
+    );
+    Ok(())
+}
+
 fn check_probe(c: &Container) -> Result<()> {
     let get = c.readiness_probe.as_ref().and_then(|p| p.http_get.as_ref());
     let get = get.context("no readiness httpGet")?;
@@ -501,6 +557,24 @@ fn check_probe(c: &Container) -> Result<()> {
     ensure!(
         get.host.is_none() && get.scheme.is_none(),
         "readiness host/scheme {get:?}"
+    );
+    let live = c.liveness_probe.as_ref().context("no liveness probe")?;
+    let get = live
+        .http_get
+        .as_ref()
+        .context("liveness is not an httpGet")?;
+    ensure!(
+        get.path.as_deref() == Some("/metrics") && get.port == IntOrString::Int(15020),
+        "liveness {get:?}: want the stats port, which answers from start to exit"
+    );
+    ensure!(
+        get.host.is_none() && get.scheme.is_none(),
+        "liveness host/scheme {get:?}"
+    );
+    let within = live.timeout_seconds.unwrap_or(1);
+    ensure!(
+        within >= 2,
+        "liveness timeout {within} s: a busy proxy would be restarted"
     );
     Ok(())
 }
@@ -519,6 +593,11 @@ fn check_security(c: &Container, p: &Platform) -> Result<()> {
     ensure!(
         add == BTreeSet::from(CAPABILITIES),
         "capabilities add {add:?}, want {CAPABILITIES:?}"
+    );
+    let apparmor = sc.app_armor_profile.as_ref().map(|a| a.type_.as_str());
+    ensure!(
+        apparmor == Some("Unconfined"),
+        "appArmorProfile {apparmor:?} (must agree with the annotation)"
     );
     let selinux = sc
         .se_linux_options
@@ -625,5 +704,43 @@ pub fn check_standalone(r: &Rendered) -> Result<()> {
     for field in ["workloads", "services", "policies"] {
         ensure!(config[field].is_array(), "local config {field}");
     }
+    check_ca_secret(pod, c)
+}
+
+/// The proxy's `--ca-dir` is the Secret `ztnode ca init` writes, read-only and required: every
+/// node loads the same root.
+fn check_ca_secret(pod: &PodSpec, c: &Container) -> Result<()> {
+    let args = c.args.as_deref().unwrap_or_default();
+    let dir = flag(args, "--ca-dir")?;
+    let m = c
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| m.mount_path == dir);
+    let m = m.with_context(|| format!("nothing mounted at the CA dir {dir}"))?;
+    ensure!(
+        m.read_only == Some(true),
+        "CA mount readOnly {:?}",
+        m.read_only
+    );
+    ensure!(m.sub_path.is_none(), "CA mount has a subPath");
+    let v = pod
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == m.name)
+        .context("CA mount's volume")?;
+    let secret = v.secret.as_ref().context("the CA dir is not a Secret")?;
+    ensure!(
+        secret.secret_name.as_deref() == Some(ztnode::node::ca_init::CA_SECRET_NAME),
+        "CA Secret {:?}, `ztnode ca init` writes {}",
+        secret.secret_name,
+        ztnode::node::ca_init::CA_SECRET_NAME
+    );
+    ensure!(
+        secret.optional != Some(true),
+        "CA Secret optional: a node without it would make its own root"
+    );
+    ensure!(secret.items.is_none(), "CA Secret items select keys");
     Ok(())
 }

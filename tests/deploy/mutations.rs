@@ -7,6 +7,7 @@ use k8s_openapi::api::core::v1::{
     ServiceAccountTokenProjection, Volume, VolumeMount,
 };
 use k8s_openapi::api::rbac::v1::PolicyRule;
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use super::Platform;
@@ -358,6 +359,76 @@ pub fn base() -> Vec<Mutation> {
         ("image", |r| {
             container_mut(r).image = Some("ghcr.io/istio/ztunnel:latest".into())
         }),
+        ("image always pulled", |r| {
+            container_mut(r).image_pull_policy = Some("Always".into())
+        }),
+        ("surge", |r| {
+            let s = r.daemon_sets[0]
+                .spec
+                .as_mut()
+                .and_then(|s| s.update_strategy.as_mut())
+                .and_then(|s| s.rolling_update.as_mut())
+                .expect("rollingUpdate");
+            s.max_surge = Some(IntOrString::Int(1));
+        }),
+        ("no AppArmor annotation", |r| {
+            let t = r.daemon_sets[0]
+                .spec
+                .as_mut()
+                .and_then(|s| s.template.metadata.as_mut())
+                .expect("meta");
+            t.annotations
+                .as_mut()
+                .expect("annotations")
+                .retain(|k, _| !k.starts_with("container.apparmor"));
+        }),
+        ("AppArmor field the runtime's default", |r| {
+            let sc = container_mut(r).security_context.as_mut().expect("sc");
+            sc.app_armor_profile
+                .as_mut()
+                .expect("appArmorProfile")
+                .type_ = "RuntimeDefault".into();
+        }),
+        ("ServiceAccount token everywhere", |r| {
+            r.service_accounts[0].automount_service_account_token = None
+        }),
+        ("pod token left to the ServiceAccount", |r| {
+            pod_mut(r).automount_service_account_token = None
+        }),
+        ("no requests", |r| {
+            container_mut(r)
+                .resources
+                .as_mut()
+                .expect("resources")
+                .requests = None
+        }),
+        ("no memory request", |r| {
+            let res = container_mut(r).resources.as_mut().expect("resources");
+            res.requests.as_mut().expect("requests").remove("memory");
+        }),
+        ("a memory limit", |r| {
+            let res = container_mut(r).resources.as_mut().expect("resources");
+            res.limits = Some([("memory".into(), Quantity("512Mi".into()))].into());
+        }),
+        ("no liveness probe", |r| {
+            container_mut(r).liveness_probe = None
+        }),
+        ("liveness on readiness", |r| {
+            let get = container_mut(r)
+                .liveness_probe
+                .as_mut()
+                .and_then(|p| p.http_get.as_mut())
+                .expect("httpGet");
+            get.path = Some("/healthz/ready".into());
+            get.port = IntOrString::Int(15021);
+        }),
+        ("liveness timeout 1 s", |r| {
+            container_mut(r)
+                .liveness_probe
+                .as_mut()
+                .expect("liveness")
+                .timeout_seconds = None
+        }),
         ("command overrides the entrypoint", |r| {
             container_mut(r).command = Some(vec!["/bin/sh".into()])
         }),
@@ -529,6 +600,38 @@ pub fn standalone() -> Vec<Mutation> {
             data.insert("local-config.yaml".into(), "workloads: [".into());
         }),
         ("no ConfigMap", |r| r.config_maps.clear()),
+        ("no --ca-dir", |r| {
+            let args = container_mut(r).args.as_mut().expect("args");
+            let i = args.iter().position(|a| a == "--ca-dir").expect("--ca-dir");
+            args.drain(i..i + 2);
+        }),
+        ("CA dir elsewhere", |r| {
+            let args = container_mut(r).args.as_mut().expect("args");
+            let i = args.iter().position(|a| a == "--ca-dir").expect("--ca-dir");
+            args[i + 1] = "/var/run/ztnode/ca".into();
+        }),
+        ("CA writable", |r| {
+            mount_mut(r, "ca").read_only = Some(false)
+        }),
+        ("CA optional", |r| {
+            volume_mut(r, "ca")
+                .secret
+                .as_mut()
+                .expect("secret")
+                .optional = Some(true)
+        }),
+        ("CA from another Secret", |r| {
+            volume_mut(r, "ca")
+                .secret
+                .as_mut()
+                .expect("secret")
+                .secret_name = Some("istio-ca-secret".into())
+        }),
+        ("CA an emptyDir", |r| {
+            let v = volume_mut(r, "ca");
+            v.secret = None;
+            v.empty_dir = Some(Default::default());
+        }),
     ];
     mutations.to_vec()
 }
@@ -636,7 +739,7 @@ pub fn istiod() -> Vec<Mutation> {
             env_push(r, "ISTIOD_ADDRESS", "istiod.istio-system.svc:15012")
         }),
         ("a ztunnel setting ztnode ignores", |r| {
-            env_push(r, "CONNECTION_TERMINATION_DEADLINE", "5s")
+            env_push(r, "HTTP2_FRAME_SIZE", "65536")
         }),
         ("on-demand xDS", |r| env_push(r, "XDS_ON_DEMAND", "true")),
     ];

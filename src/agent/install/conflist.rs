@@ -2,7 +2,12 @@
 //! ztnode's plugin entry, and converting a single-plugin `.conf` to a `.conflist` and back.
 //!
 //! All functions work on `serde_json` values built with `preserve_order`, so keys we do not know keep
-//! their place. Istio's counterpart is `cni/pkg/install/cniconfig.go` (`../shared/spec/istio-cni.md`
+//! their place. Multus: its generated config (`00-multus.conf`, `"type": "multus"`) embeds the
+//! cluster network's config in `delegates`, copied from the file that was primary when Multus
+//! wrote it; when that copy holds our entry (chained before Multus came up) the plugin would run
+//! twice per pod, once inside Multus's delegate and once after Multus. Removing our entries
+//! therefore also removes them from every plugin's `delegates`, so the one entry left is ours at
+//! the end of the primary. Istio's counterpart is `cni/pkg/install/cniconfig.go` (`../shared/spec/istio-cni.md`
 //! §2.3–2.4); unlike Istio we keep the original `cniVersion`/`name` when converting a `.conf`.
 
 use serde_json::{Map, Value};
@@ -78,6 +83,64 @@ pub(crate) fn count_ours(list: &Value) -> usize {
     plugins(list).map_or(0, |p| p.iter().filter(|p| is_ours(p)).count())
 }
 
+/// Number of our entries inside the `delegates` of the file's plugins (a `.conf`'s one plugin or a
+/// list's `plugins`): Multus's embedded copies of the cluster network's config.
+pub(crate) fn count_embedded(value: &Value) -> usize {
+    let delegates = |plugin: &Value| -> usize {
+        plugin
+            .get("delegates")
+            .and_then(Value::as_array)
+            .map_or(0, |ds| {
+                ds.iter()
+                    .map(|d| usize::from(is_ours(d)) + count_ours(d))
+                    .sum()
+            })
+    };
+    match plugins(value) {
+        Some(p) => p.iter().map(delegates).sum(),
+        None => delegates(value),
+    }
+}
+
+/// Whether a config (a `.conf`'s plugin or a list) runs a plugin of type `plugin_type`: itself, in
+/// `plugins`, or in any plugin's `delegates` (Multus), one level down.
+pub(crate) fn has_type(value: &Value, plugin_type: &str) -> bool {
+    let is = |p: &Value| p.get("type").and_then(Value::as_str) == Some(plugin_type);
+    let with_delegates = |p: &Value| {
+        is(p)
+            || p.get("delegates")
+                .and_then(Value::as_array)
+                .is_some_and(|ds| {
+                    ds.iter()
+                        .any(|d| is(d) || plugins(d).is_some_and(|ps| ps.iter().any(is)))
+                })
+    };
+    match plugins(value) {
+        Some(ps) => ps.iter().any(with_delegates),
+        None => with_delegates(value),
+    }
+}
+
+/// Removes our entries from `plugin`'s `delegates` (Multus): delegates that are our entry, and our
+/// entries in delegated lists. Nothing else changes.
+fn strip_delegates(plugin: &mut Value) {
+    if let Some(ds) = plugin.get_mut("delegates").and_then(Value::as_array_mut) {
+        ds.retain(|d| !is_ours(d));
+        for d in ds {
+            if let Some(p) = plugins_mut(d) {
+                p.retain(|p| !is_ours(p));
+            }
+        }
+    }
+}
+
+/// Returns a single-plugin `.conf` with our entries removed from its `delegates` (Multus).
+pub(crate) fn conf_without_embedded(conf: &Value) -> Value {
+    let mut out = conf.clone();
+    strip_delegates(&mut out);
+    out
+}
+
 /// `X.conflist` for `X.conf`; `None` if `conf_name` does not end in `.conf`.
 pub(crate) fn conflist_name_for(conf_name: &str) -> Option<String> {
     conf_name
@@ -140,18 +203,22 @@ pub(crate) fn with_entry(list: &Value, entry: Value) -> Option<Value> {
     Some(out)
 }
 
-/// Returns `list` with every entry of ours removed. `None` if `list` has no `plugins` array.
+/// Returns `list` with every entry of ours removed, also those inside its plugins' `delegates`
+/// (Multus). `None` if `list` has no `plugins` array.
 pub(crate) fn without_entries(list: &Value) -> Option<Value> {
     let mut out = list.clone();
-    plugins_mut(&mut out)?.retain(|p| !is_ours(p));
+    let plugins = plugins_mut(&mut out)?;
+    plugins.retain(|p| !is_ours(p));
+    plugins.iter_mut().for_each(strip_delegates);
     Some(out)
 }
 
 /// Turns a single-plugin `.conf` into a list `{cniVersion, name, plugins: [conf minus cniVersion,
 /// entry]}`. The list takes the conf's `cniVersion` and `name` (each only if present); the plugin keeps
-/// its `name` (as in Istio's `bridge.conf.golden`). `None` if `conf` is not an object.
+/// its `name` (as in Istio's `bridge.conf.golden`); our entries in its `delegates` (Multus) are
+/// removed. `None` if `conf` is not an object.
 pub(crate) fn conf_to_list(conf: &Value, entry: Value) -> Option<Value> {
-    let mut plugin = conf.as_object()?.clone();
+    let mut plugin = conf_without_embedded(conf).as_object()?.clone();
     let version = plugin.shift_remove("cniVersion");
     let mut list = Map::new();
     if let Some(version) = version {
@@ -339,6 +406,59 @@ mod tests {
         let back = list_to_conf(&without_entries(&list).unwrap()).unwrap();
         assert_eq!(keys(&back), keys(&conf));
         assert_eq!(back, conf);
+    }
+
+    /// Multus's generated config as written after ztnode had chained into the cluster network's
+    /// list: the delegate carries our entry.
+    fn multus_embedding_ours() -> Value {
+        json!({
+            "cniVersion": "0.3.1", "name": "multus-cni-network", "type": "multus",
+            "delegates": [{"cniVersion": "0.3.1", "name": "cbr0", "plugins": [
+                {"type": "flannel"}, {"type": "portmap"}, {"type": PLUGIN_TYPE, "cni_agent_run_dir": "/x"}
+            ]}]
+        })
+    }
+
+    #[test]
+    fn multus_delegates_lose_our_entry() {
+        let conf = multus_embedding_ours();
+        assert_eq!(count_embedded(&conf), 1);
+        let list = conf_to_list(&conf, our_entry(&params(), Some("00-multus.conf"))).unwrap();
+        assert_eq!(count_ours(&list), 1, "ours once, after multus");
+        assert_eq!(count_embedded(&list), 0, "not inside multus's delegate");
+        assert_eq!(
+            list["plugins"][0]["delegates"][0]["plugins"],
+            json!([{"type": "flannel"}, {"type": "portmap"}])
+        );
+        let as_list = json!({"name": "m", "plugins": [multus_embedding_ours()]});
+        assert_eq!(count_embedded(&as_list), 1);
+        let chained = with_entry(&as_list, our_entry(&params(), None)).unwrap();
+        assert_eq!((count_ours(&chained), count_embedded(&chained)), (1, 0));
+        let single_delegate =
+            json!({"type": "multus", "delegates": [{"type": PLUGIN_TYPE}, {"type": "bridge"}]});
+        assert_eq!(count_embedded(&single_delegate), 1);
+        assert_eq!(
+            conf_without_embedded(&single_delegate),
+            json!({"type": "multus", "delegates": [{"type": "bridge"}]})
+        );
+    }
+
+    #[test]
+    fn has_type_looks_into_lists_and_delegates() {
+        assert!(has_type(&json!({"type": "istio-cni"}), "istio-cni"));
+        assert!(has_type(
+            &json!({"plugins": [{"type": "ptp"}, {"type": "istio-cni"}]}),
+            "istio-cni"
+        ));
+        assert!(has_type(
+            &json!({"type": "multus", "delegates": [{"plugins": [{"type": "istio-cni"}]}]}),
+            "istio-cni"
+        ));
+        assert!(!has_type(
+            &json!({"plugins": [{"type": "ptp", "name": "istio-cni"}]}),
+            "istio-cni"
+        ));
+        assert!(!has_type(&json!({"type": "bridge"}), "istio-cni"));
     }
 
     #[test]

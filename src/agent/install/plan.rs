@@ -140,11 +140,16 @@ fn strip(file: &ConfFile, files: &[ConfFile]) -> Vec<Action> {
     let Some(value) = &file.value else {
         return Vec::new();
     };
-    if conflist::count_ours(value) == 0 {
+    if conflist::count_ours(value) + conflist::count_embedded(value) == 0 {
         return Vec::new();
     }
     let Some(stripped) = conflist::without_entries(value) else {
-        return Vec::new();
+        // A `.conf` (Multus's) with our entry only inside its delegates.
+        return vec![Action::Write {
+            name: file.name.clone(),
+            value: conflist::conf_without_embedded(value),
+            mode: file.mode,
+        }];
     };
     if stripped["plugins"].as_array().is_none_or(Vec::is_empty) {
         tracing::warn!(file = %file.name, "only ztnode entries in this config; leaving it alone");

@@ -99,6 +99,9 @@ pub struct Reconciler {
     /// The last procfs scan, for the pods that wanted a netns then: one scan serves a burst of
     /// pods (a namespace labelled, the first pass after a restart) instead of one per pod.
     scan: std::sync::Mutex<Option<(Instant, ScanResults)>>,
+    /// Held while a scan runs: pods reconciled at the same time wait for it and take their
+    /// result from it rather than each scanning procfs.
+    scanning: tokio::sync::Mutex<()>,
 }
 
 /// Results of one [`NetnsFinder::find_all`].
@@ -180,6 +183,7 @@ impl Reconciler {
                 InterfaceAddrCheck,
             )),
             scan: std::sync::Mutex::new(None),
+            scanning: tokio::sync::Mutex::new(()),
         })
     }
 
@@ -412,6 +416,12 @@ impl Reconciler {
             pod: label.to_owned(),
             source,
         };
+        if let Some(hit) = self.take_scanned(&query.uid) {
+            let found = hit.map_err(netns_err)?;
+            return Ok((found.netns, found.path));
+        }
+        let _scanning = self.scanning.lock().await;
+        // a scan that ran while this pod waited may have found it
         if let Some(hit) = self.take_scanned(&query.uid) {
             let found = hit.map_err(netns_err)?;
             return Ok((found.netns, found.path));

@@ -58,6 +58,17 @@ pub const POSTROUTING_PRIORITY: i32 = 100;
 /// so a command stays well below the 64 KiB attribute limit).
 const ELEMS_PER_COMMAND: usize = 256;
 
+/// Serialises the read-then-write updates of the probe sets ([`HostProbe::add_pod`],
+/// [`HostProbe::remove_pod`], [`HostProbe::remove_uid`], [`HostProbe::sync`]) within the process,
+/// so one pod's update never works from a listing another one is changing.
+static UPDATES: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn updating() -> std::sync::MutexGuard<'static, ()> {
+    UPDATES
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// The host probe rule set of one node: who the kubelet is and which addresses probes are SNATed
 /// to. Pure data; the methods program it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -218,6 +229,7 @@ impl HostProbe {
     /// enrolled pod has no IP yet: a caller doing the same uses [`HostProbe::add_pod`] per pod
     /// instead.
     pub fn sync(&self, pods: &[(String, Vec<IpAddr>)]) -> Result<(), HostProbeError> {
+        let _serial = updating();
         Ok(self.sync_batch(pods).commit()?)
     }
 
@@ -252,14 +264,16 @@ impl HostProbe {
     /// an address already present, even with another pod's UID, ends up with `uid`. Addresses are
     /// treated as in [`HostProbe::sync`]. Nothing to add sends nothing.
     ///
-    /// Only an address the sets hold with another comment is deleted and added again (a delete
-    /// makes the kernel wait for an RCU grace period, about 10 ms); a new address is just added,
-    /// one already held by `uid` is left as it is.
+    /// Only an address the sets hold with another comment is replaced (add + delete + add: a
+    /// delete makes the kernel wait for an RCU grace period, about 10 ms, and the leading add
+    /// keeps the delete from failing if the address went away meanwhile); a new address is just
+    /// added, one already held by `uid` is left as it is.
     pub fn add_pod(&self, uid: &str, ips: &[IpAddr]) -> Result<(), HostProbeError> {
         let usable: Vec<IpAddr> = self.usable(ips).collect();
         if usable.is_empty() {
             return Ok(());
         }
+        let _serial = updating();
         let present = self.entries()?;
         let mut b = Batch::new();
         for ip in usable {
@@ -270,7 +284,8 @@ impl HostProbe {
                 }
                 Some(e) if e.uid.as_deref() == Some(uid) => {}
                 Some(_) => {
-                    b.push(Command::DelSetElems(el.clone()))
+                    b.push(Command::AddSetElems(el.clone()))
+                        .push(Command::DelSetElems(el.clone()))
                         .push(Command::AddSetElems(el));
                 }
             }
@@ -285,6 +300,7 @@ impl HostProbe {
     /// An address held by another pod (or without comment) is left alone and returned, for the
     /// caller to warn about; an address not in the set is ignored.
     pub fn remove_pod(&self, uid: &str, ips: &[IpAddr]) -> Result<Vec<ProbeEntry>, HostProbeError> {
+        let _serial = updating();
         let wanted: Vec<IpAddr> = self.usable(ips).collect();
         let (mine, foreign): (Vec<ProbeEntry>, Vec<ProbeEntry>) = self
             .entries()?
@@ -298,6 +314,7 @@ impl HostProbe {
     /// Removes every address whose comment is `uid`, whatever the addresses (for a pod whose IPs are
     /// no longer known). Returns how many were removed.
     pub fn remove_uid(&self, uid: &str) -> Result<usize, HostProbeError> {
+        let _serial = updating();
         let mine: Vec<ProbeEntry> = self
             .entries()?
             .into_iter()

@@ -10,7 +10,7 @@ use std::time::Duration;
 use serde_json::Value;
 
 use super::{DoctorOptions, Finding, Status};
-use crate::agent::install::{PLUGIN_TYPE, inspect_conf_dir};
+use crate::agent::install::{ISTIO_CNI_TYPE, PLUGIN_TYPE, inspect_conf_dir};
 use crate::agent::pods::{PodRecord, Store};
 use crate::agent::redirect::{self, RedirectPlan};
 use crate::netns::Netns;
@@ -21,9 +21,6 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The UID Istio reserves for its proxies; application processes must not run as it.
 pub const PROXY_UID: u32 = 1337;
-
-/// The plugin type of Istio's own CNI plugin.
-const ISTIO_CNI_TYPE: &str = "istio-cni";
 
 /// The CNI config: a valid primary, ztnode's entry in it once and last, no `istio-cni` in the
 /// chain, no ztnode entry in other files.

@@ -74,6 +74,7 @@ async fn harness(upstream: Vec<SocketAddr>) -> Harness {
         live: Arc::default(),
         server_tls: crate::proxy::tls::server_config(certs, identity).expect("tls"),
         sockets: sockets.clone(),
+        drain: crate::proxy::drain::DrainWatch::never(),
     });
     let any: SocketAddr = "127.0.0.1:0".parse().expect("addr");
     let listeners = PodDns {

@@ -352,3 +352,32 @@ async fn a_connection_is_released_after_the_configured_unused_timeout() {
         "5 min: every 30 s"
     );
 }
+
+/// Shutdown: the pooled connection closes once its open stream ended (not before), and every
+/// later stream gets a connection of its own that closes with it.
+#[tokio::test]
+async fn a_drained_pool_lets_go_of_its_connections_and_pools_nothing_new() {
+    let pool = pool(&[Peer::Accept]);
+    let bob = key("bob");
+    let open_stream = open(&pool, &bob).await;
+    let mut first = pool.connector.closed(0);
+    pool.drain();
+    assert!(pool.is_empty(), "no key pooled after the drain");
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    assert!(!*first.borrow(), "the open stream keeps its connection");
+    drop(open_stream);
+    tokio::time::timeout(std::time::Duration::from_secs(5), first.wait_for(|c| *c))
+        .await
+        .expect("the connection closes after its last stream")
+        .expect("closed flag");
+    for n in 1..=2 {
+        assert_eq!(status(&pool, &bob).await.expect("ok"), 200);
+        assert_eq!(pool.connector.dials(), n + 1, "a connection per stream");
+        let mut closed = pool.connector.closed(n);
+        tokio::time::timeout(std::time::Duration::from_secs(5), closed.wait_for(|c| *c))
+            .await
+            .expect("closed with its stream")
+            .expect("closed flag");
+    }
+    assert!(pool.is_empty());
+}
