@@ -41,9 +41,9 @@ fn wait_ready(lab: &Lab) {
     }
 }
 
-/// Outbound connections to `app` the process logging to `log` has completed.
+/// Outbound connections to `app` (the HBONE target) the process logging to `log` has completed.
 fn completed(log: &Path, app: SocketAddr) -> usize {
-    let dst = format!("dst.addr={app}");
+    let dst = format!("dst.hbone_addr={app}");
     std::fs::read_to_string(log)
         .unwrap_or_default()
         .lines()
