@@ -314,8 +314,7 @@ async fn tcp_connection(
                     labels: labels.clone(),
                     servfail: message::error_reply(&raw, &req, ResponseCode::ServFail),
                 };
-                match send_upstream(&pod, &dns, &mut upstream, &writer, &raw, req.id, query).await
-                {
+                match send_upstream(&pod, &dns, &mut upstream, &writer, &raw, req.id, query).await {
                     Ok(()) => continue,
                     Err((e, query)) => {
                         metrics.upstream_failure(&labels);
