@@ -55,12 +55,12 @@ impl Watches {
             pod_writer,
             watcher(Api::<Pod>::all(client.clone()), pod_config),
         )
-        .default_backoff();
+        .backoff(WatchBackoff::new());
         let ns_stream = reflector::reflector(
             ns_writer,
             watcher(Api::<Namespace>::all(client), watcher::Config::default()),
         )
-        .default_backoff();
+        .backoff(WatchBackoff::new());
         tokio::spawn(forward(
             pod_stream,
             changes.clone(),
@@ -137,5 +137,60 @@ async fn forward<K, S>(
         if sent.is_err() {
             return;
         }
+    }
+}
+
+/// The watches' retry delays ([`crate::backoff::WATCH_RETRY`]) as kube-rs' stream backoff: reset
+/// when the stream yields again.
+struct WatchBackoff(crate::backoff::Backoff);
+
+impl WatchBackoff {
+    fn new() -> WatchBackoff {
+        WatchBackoff(crate::backoff::Backoff::new(crate::backoff::WATCH_RETRY))
+    }
+}
+
+impl Iterator for WatchBackoff {
+    type Item = std::time::Duration;
+
+    fn next(&mut self) -> Option<std::time::Duration> {
+        Some(self.0.next_delay())
+    }
+}
+
+impl kube::runtime::utils::Backoff for WatchBackoff {
+    fn reset(&mut self) {
+        self.0.reset();
+    }
+}
+
+#[cfg(test)]
+mod backoff_tests {
+    use super::*;
+    use kube::runtime::utils::Backoff as _;
+
+    #[test]
+    fn watch_retries_stay_within_five_seconds_and_start_over_after_a_success() {
+        let mut b = WatchBackoff::new();
+        let delays: Vec<_> = (0..12).filter_map(|_| b.next()).collect();
+        assert!(
+            delays[0] <= std::time::Duration::from_millis(600),
+            "{delays:?}"
+        );
+        assert!(
+            delays
+                .iter()
+                .all(|d| *d <= std::time::Duration::from_secs(5)),
+            "{delays:?}"
+        );
+        assert!(
+            delays[11] >= std::time::Duration::from_secs(4),
+            "{delays:?}"
+        );
+        b.reset();
+        assert!(
+            b.next()
+                .is_some_and(|d| d <= std::time::Duration::from_millis(600))
+        );
     }
 }
