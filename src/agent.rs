@@ -194,6 +194,13 @@ pub async fn start(
         }
     };
     let pods = Arc::new(PodManager::new(policy, proxy, cfg.redirect.clone()));
+    // The socket is bound before the table is read, so that a plugin event from here on waits
+    // in its backlog for this agent (served after the restore) instead of reaching an older
+    // agent that is about to stop.
+    let sock_path = plugin_socket_path(&cfg.run_dir);
+    let listener = server::bind(&sock_path)?;
+    let sock_file = crate::runtime::socket_file::SocketFile::claim(&sock_path);
+    pods.set_owner(sock_file.clone());
     pods.restore(&cfg.run_dir)
         .await
         .map_err(AgentError::Restore)?;
@@ -227,9 +234,6 @@ pub async fn start(
             stopped(stop_rx.clone()),
         ));
     }
-    let sock_path = plugin_socket_path(&cfg.run_dir);
-    let listener = server::bind(&sock_path)?;
-    let sock_file = crate::runtime::socket_file::SocketFile::claim(&sock_path);
     let server_task = tokio::spawn(server::serve(
         listener,
         pods.clone(),

@@ -53,6 +53,10 @@ const QUIT_ANSWER_GRACE: Duration = Duration::from_millis(100);
 /// Readiness task of the local config (pending until it was read once).
 pub const LOCAL_CONFIG_TASK: &str = "local config";
 
+/// Readiness task of `ztnode node`: pending until the agent has restored the enrolled pods
+/// (rules re-applied, proxy serving them) and serves the plugin socket.
+pub const AGENT_START_TASK: &str = "node agent start";
+
 /// Readiness task that turns pending when the shutdown (drain) begins and stays so until the
 /// process exits (ztunnel stops its readiness server on drain; here it answers 500 meanwhile).
 pub const DRAINING_TASK: &str = "draining";
@@ -120,12 +124,27 @@ pub async fn run(
         cfg.proxy.packet_mark
     );
     let ready = Readiness::new();
+    let agent_started = ready.register(AGENT_START_TASK);
     let (stop_tx, stop_rx) = watch::channel(false);
     let (admin_stop, admin_stop_rx) = watch::channel(false);
     let state = start_state(cfg.source, &ready, &stop_rx)?;
     let proxy = proxy::start(&cfg.proxy, state.clone(), &ready)?;
     // kept until the drain ended: the manager then still answers (refuses) late Adds
     let _link = proxy.link.clone();
+    // Readiness is bound (and with port reuse takes the probes from an older process) before
+    // the agent restores the pods, and answers not-ready until they are served: the kubelet
+    // must not see the old process's "ready" while this one is still taking over.
+    let pods = Arc::new(std::sync::OnceLock::new());
+    let mut quit = serve_admin(
+        &cfg.proxy,
+        state.clone(),
+        proxy.manager.clone(),
+        Some(pods.clone()),
+        ready.clone(),
+        run_config,
+        admin_stop_rx,
+    )
+    .await?;
     let agent = agent::start(
         cfg.agent,
         enrollment_source(cfg.kube, &state, cfg.node_name),
@@ -134,16 +153,8 @@ pub async fn run(
         stopped(stop_rx.clone()),
     )
     .await?;
-    let mut quit = serve_admin(
-        &cfg.proxy,
-        state,
-        proxy.manager.clone(),
-        Some(agent.pods.clone()),
-        ready.clone(),
-        run_config,
-        admin_stop_rx,
-    )
-    .await?;
+    let _ = pods.set(agent.pods.clone());
+    agent_started.done();
 
     if !stopped_early {
         tokio::select! {
@@ -344,7 +355,7 @@ async fn serve_admin(
     cfg: &ProxyConfig,
     state: StateHandle,
     proxies: Arc<ProxyManager>,
-    pods: Option<Arc<PodManager>>,
+    pods: Option<Arc<std::sync::OnceLock<Arc<PodManager>>>>,
     ready: Readiness,
     config: admin::dump::RunConfig,
     stop: watch::Receiver<bool>,
