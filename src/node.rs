@@ -7,7 +7,8 @@
 //! ZDS link; the agent ([`agent::start`], enrollment = HBONE workload of that namespace/name in the
 //! local config) behind the plugin socket; in the proxy's process the admin
 //! (`127.0.0.1:15000/config_dump`), readiness (`:15021/healthz/ready`) and metrics
-//! (`:15020/metrics`) endpoints. [`run`] joins both halves with the in-process channel;
+//! (`:15020/metrics`) endpoints, bound before the agent restores its pods and not ready
+//! ([`AGENT_START_TASK`]) until it serves them. [`run`] joins both halves with the in-process channel;
 //! [`run_agent`] serves ZDS on a unix socket and [`run_proxy`] connects to it. Each ends cleanly
 //! when `shutdown` resolves (SIGTERM/SIGINT in `main`) or on `POST /quitquitquit`.
 //!
