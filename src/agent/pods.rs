@@ -181,8 +181,8 @@ pub struct PodManager {
     store: OnceLock<Arc<Store>>,
     changes: OnceLock<mpsc::UnboundedSender<(String, String)>>,
     host_probe: OnceLock<Arc<HostProbe>>,
-    /// The plugin socket this agent bound: once another agent took the path over (an upgrade),
-    /// the table file is the new agent's and this one stops writing it.
+    /// The plugin socket this agent bound: once another agent took the path over (an upgrade)
+    /// and wrote the table, the file is the new agent's and this one stops writing it.
     owner: OnceLock<SocketFile>,
     /// Set when a write was skipped because the socket was taken over (logged once).
     superseded: std::sync::atomic::AtomicBool,
@@ -242,8 +242,10 @@ impl PodManager {
     }
 
     /// Ties the table file to the plugin socket this agent bound (call before
-    /// [`PodManager::restore`]): once another process bound the socket path, this manager no
-    /// longer writes `pods.json`, so a draining old agent cannot overwrite the new agent's table.
+    /// [`PodManager::restore`]): once another process bound the socket path and has written
+    /// `pods.json` itself, this manager no longer writes it, so a draining old agent cannot
+    /// overwrite the new agent's table (until the new agent writes, the old one's changes still
+    /// go to the file, for the new agent's second read).
     pub fn set_owner(&self, socket: SocketFile) {
         let _ = self.owner.set(socket);
     }
@@ -400,7 +402,9 @@ impl PodManager {
         let path = store.path().to_owned();
         let owner = self.owner.get().cloned();
         let write = move || {
-            if owner.as_ref().is_some_and(|o| !o.is_ours()) {
+            // Taken over: the file stays this agent's until the new agent wrote it (a pod this
+            // one enrolls meanwhile reaches the new agent's second read, see `restore`).
+            if owner.as_ref().is_some_and(|o| !o.is_ours()) && store.written_by_another() {
                 return Ok(false);
             }
             store.save(generation, records).map(|()| true)

@@ -326,14 +326,27 @@ async fn an_agent_whose_socket_was_taken_over_stops_writing_the_table() {
         .await
         .expect("add a");
     assert_eq!(stored(dir.path()).len(), 1);
-    // a newer agent binds the path and writes its own table
+    // a newer agent binds the path; while it restores, this agent's changes still reach the file
     std::fs::remove_file(&sock).expect("unlink");
     let _new_listener = std::os::unix::net::UnixListener::bind(&sock).expect("bind again");
-    write_table(dir.path(), 1, &["uid-new"]);
     f.pods
         .add(add_event("b", "uid-b", "cid-b"))
         .await
-        .expect("add b still served");
+        .expect("add b");
+    assert_eq!(
+        stored(dir.path())
+            .into_iter()
+            .map(|r| r.uid)
+            .collect::<Vec<_>>(),
+        ["uid-a", "uid-b"],
+        "the new agent's second read sees b"
+    );
+    // then the new agent writes its own table
+    write_table(dir.path(), 1, &["uid-new"]);
+    f.pods
+        .add(add_event("c", "uid-c", "cid-c"))
+        .await
+        .expect("add c still served");
     f.pods
         .del(del_event("a", "uid-a", "cid-a"))
         .await
