@@ -95,6 +95,8 @@ pub struct AgentConfig {
     pub install: Option<InstallConfig>,
     /// Redirection programmed in each enrolled pod.
     pub redirect: RedirectPlan,
+    /// The agent's metrics (shared: register a clone to serve them before the agent starts).
+    pub metrics: metrics::AgentMetrics,
 }
 
 /// Errors starting the agent.
@@ -194,7 +196,16 @@ pub async fn start(
             )
         }
     };
-    let pods = Arc::new(PodManager::new(policy, proxy, cfg.redirect.clone()));
+    let pods = Arc::new(
+        PodManager::new(policy, proxy, cfg.redirect.clone()).with_metrics(cfg.metrics.clone()),
+    );
+    // The socket is bound before the table is read, so that a plugin event from here on waits
+    // in its backlog for this agent (served after the restore) instead of reaching an older
+    // agent that is about to stop.
+    let sock_path = plugin_socket_path(&cfg.run_dir);
+    let listener = server::bind(&sock_path)?;
+    let sock_file = crate::runtime::socket_file::SocketFile::claim(&sock_path);
+    pods.set_owner(sock_file.clone());
     pods.restore(&cfg.run_dir)
         .await
         .map_err(AgentError::Restore)?;
@@ -228,9 +239,6 @@ pub async fn start(
             stopped(stop_rx.clone()),
         ));
     }
-    let sock_path = plugin_socket_path(&cfg.run_dir);
-    let listener = server::bind(&sock_path)?;
-    let sock_file = crate::runtime::socket_file::SocketFile::claim(&sock_path);
     let server_task = tokio::spawn(server::serve(
         listener,
         pods.clone(),
@@ -419,9 +427,9 @@ impl UninstallCheck {
             }
             Ok(Ok(Some(ds))) if kube::placement::constrains_nodes(&ds) => self.placement(&ds).await,
             Ok(Ok(Some(_))) => ShutdownLookup::Present,
-            Ok(Err(::kube::Error::Api(s))) if s.code == 401 || s.code == 403 => {
-                ShutdownLookup::Denied(s.code)
-            }
+            // istio-cni counts only Unauthorized: a 403 (a grant trimmed, the agent's own
+            // identity still valid) is no sign the DaemonSet went away
+            Ok(Err(::kube::Error::Api(s))) if s.code == 401 => ShutdownLookup::Unauthorized,
             Ok(Err(e)) => ShutdownLookup::Failed(e.to_string()),
         }
     }
@@ -462,16 +470,16 @@ enum ShutdownLookup {
     NotThisNode,
     /// Not found.
     Gone,
-    /// 401 or 403: the agent's token or its grant is gone, as `kubectl delete` of the manifests
-    /// removes the ServiceAccount and RBAC with the DaemonSet (istio-cni: Unauthorized).
-    Denied(u16),
-    /// Anything else (unreachable, timeout, 5xx).
+    /// 401: the agent's token is no longer accepted, as `kubectl delete` of the manifests
+    /// removes its ServiceAccount with the DaemonSet (istio-cni: Unauthorized).
+    Unauthorized,
+    /// Anything else (unreachable, timeout, 5xx, 403).
     Failed(String),
 }
 
 impl ShutdownLookup {
     /// Whether this is a real uninstall: gone, being deleted, no longer selecting this node, or
-    /// access denied. A failed lookup
+    /// the token refused (401). A failed lookup (403 included)
     /// says no: everything stays and new pods fail closed (istio-cni, outside its istio-owned
     /// config mode, cleans up after a failed lookup instead; ztnode prefers closed over open).
     fn is_uninstall(&self) -> bool {
@@ -480,7 +488,7 @@ impl ShutdownLookup {
             ShutdownLookup::Gone
                 | ShutdownLookup::Deleting
                 | ShutdownLookup::NotThisNode
-                | ShutdownLookup::Denied(_)
+                | ShutdownLookup::Unauthorized
         )
     }
 }
@@ -493,12 +501,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn gone_deleted_or_denied_means_uninstall() {
+    fn gone_deleted_deselected_or_unauthorized_means_uninstall() {
         assert!(ShutdownLookup::Gone.is_uninstall());
         assert!(ShutdownLookup::Deleting.is_uninstall());
         assert!(ShutdownLookup::NotThisNode.is_uninstall());
-        assert!(ShutdownLookup::Denied(401).is_uninstall());
-        assert!(ShutdownLookup::Denied(403).is_uninstall());
+        assert!(ShutdownLookup::Unauthorized.is_uninstall());
         assert!(!ShutdownLookup::Present.is_uninstall());
         assert!(!ShutdownLookup::Failed("unreachable".into()).is_uninstall());
     }

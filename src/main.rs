@@ -522,6 +522,7 @@ fn agent_config(
             proxy_mark: m.packet_mark,
             ..Default::default()
         },
+        metrics: Default::default(),
     })
 }
 

@@ -7,7 +7,8 @@
 //! ZDS link; the agent ([`agent::start`], enrollment = HBONE workload of that namespace/name in the
 //! local config) behind the plugin socket; in the proxy's process the admin
 //! (`127.0.0.1:15000/config_dump`), readiness (`:15021/healthz/ready`) and metrics
-//! (`:15020/metrics`) endpoints. [`run`] joins both halves with the in-process channel;
+//! (`:15020/metrics`) endpoints, bound before the agent restores its pods and not ready
+//! ([`AGENT_START_TASK`]) until it serves them. [`run`] joins both halves with the in-process channel;
 //! [`run_agent`] serves ZDS on a unix socket and [`run_proxy`] connects to it. Each ends cleanly
 //! when `shutdown` resolves (SIGTERM/SIGINT in `main`) or on `POST /quitquitquit`.
 //!
@@ -54,6 +55,10 @@ const QUIT_ANSWER_GRACE: Duration = Duration::from_millis(100);
 
 /// Readiness task of the local config (pending until it was read once).
 pub const LOCAL_CONFIG_TASK: &str = "local config";
+
+/// Readiness task of `ztnode node`: pending until the agent has restored the enrolled pods
+/// (rules re-applied, proxy serving them) and serves the plugin socket.
+pub const AGENT_START_TASK: &str = "node agent start";
 
 /// Readiness task that turns pending when the shutdown (drain) begins and stays so until the
 /// process exits (ztunnel stops its readiness server on drain; here it answers 500 meanwhile).
@@ -122,6 +127,7 @@ pub async fn run(
         cfg.proxy.packet_mark
     );
     let ready = Readiness::new();
+    let agent_started = ready.register(AGENT_START_TASK);
     let (stop_tx, stop_rx) = watch::channel(false);
     let (admin_stop, admin_stop_rx) = watch::channel(false);
     let mut registry = Registry::default();
@@ -129,6 +135,21 @@ pub async fn run(
     let proxy = proxy::start(&cfg.proxy, state.clone(), &ready)?;
     // kept until the drain ended: the manager then still answers (refuses) late Adds
     let _link = proxy.link.clone();
+    // Readiness is bound (and with port reuse takes the probes from an older process) before
+    // the agent restores the pods, and answers not-ready until they are served: the kubelet
+    // must not see the old process's "ready" while this one is still taking over.
+    let pods = Arc::new(std::sync::OnceLock::new());
+    cfg.agent.metrics.register(&mut registry);
+    let mut quit = serve_admin(
+        &cfg.proxy,
+        proxy.manager.clone(),
+        Some(pods.clone()),
+        ready.clone(),
+        registry,
+        run_config,
+        admin_stop_rx,
+    )
+    .await?;
     let agent = agent::start(
         cfg.agent,
         enrollment_source(cfg.kube, &state, cfg.node_name),
@@ -137,16 +158,8 @@ pub async fn run(
         stopped(stop_rx.clone()),
     )
     .await?;
-    let mut quit = serve_admin(
-        &cfg.proxy,
-        proxy.manager.clone(),
-        Some(agent.pods.clone()),
-        ready.clone(),
-        registry,
-        run_config,
-        admin_stop_rx,
-    )
-    .await?;
+    let _ = pods.set(agent.pods.clone());
+    agent_started.done();
 
     if !stopped_early {
         tokio::select! {
@@ -353,16 +366,13 @@ async fn quitting(quit: &mut watch::Receiver<bool>) {
 async fn serve_admin(
     cfg: &ProxyConfig,
     proxies: Arc<ProxyManager>,
-    pods: Option<Arc<PodManager>>,
+    pods: Option<Arc<std::sync::OnceLock<Arc<PodManager>>>>,
     ready: Readiness,
     mut registry: Registry,
     config: admin::dump::RunConfig,
     stop: watch::Receiver<bool>,
 ) -> anyhow::Result<watch::Receiver<bool>> {
     proxies.ctx().metrics.register(&mut registry);
-    if let Some(p) = &pods {
-        p.metrics.register(&mut registry);
-    }
     crate::metrics::register_build(&mut registry, env!("CARGO_PKG_VERSION"));
     let (quit, quit_rx) = watch::channel(false);
     let admin = admin::Admin {

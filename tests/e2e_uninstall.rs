@@ -7,6 +7,7 @@
 //!   probe table stay;
 //! - DaemonSet gone (the fake's own 404), no longer selecting this node, being deleted, or the
 //!   token refused (401): each host artefact is removed;
+//! - the lookup forbidden (403, as istio-cni counts only 401): a failed lookup, everything stays;
 //! - every time, the enrolled pod keeps its in-pod rules.
 
 mod common;
@@ -44,6 +45,7 @@ enum Ds {
     Selecting(&'static str),
     Deleting,
     Unauthorized,
+    Forbidden,
 }
 
 /// An HTTP/1.1 front in the node netns: the DaemonSet GET from `state`, everything else passed
@@ -176,6 +178,12 @@ fn serve(
                 Ds::Present => answer(&mut client, "200 OK", &daemonset(false, None))?,
                 Ds::Selecting(os) => answer(&mut client, "200 OK", &daemonset(false, Some(os)))?,
                 Ds::Deleting => answer(&mut client, "200 OK", &daemonset(true, None))?,
+                Ds::Forbidden => answer(
+                    &mut client,
+                    "403 Forbidden",
+                    &json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                            "message": "daemonsets.apps \"ztnode\" is forbidden", "reason": "Forbidden", "code": 403}),
+                )?,
                 _ => answer(
                     &mut client,
                     "401 Unauthorized",
@@ -391,7 +399,13 @@ fn sigterm_keeps_the_host_on_upgrade_and_cleans_it_on_uninstall() {
             Ds::Unauthorized,
             [false; 4],
             "token refused (401)",
-            "lookup=Denied(401)",
+            "lookup=Unauthorized",
+        ),
+        (
+            Ds::Forbidden,
+            [true; 4],
+            "lookup forbidden (403)",
+            "lookup=Failed",
         ),
     ];
     for (i, (ds, want, what, logged)) in cases.into_iter().enumerate() {

@@ -86,6 +86,29 @@ fn finish_during_drain(mut old_stream: Stream) {
         .expect("a connection on the old process ends cleanly");
 }
 
+/// The new process bound its readiness port (taking the kubelet's probes from the old one)
+/// before it restored the pods, and answered not-ready from then on until it serves them: its
+/// endpoints came up with `node agent start` pending, which is done only after the restore.
+fn readiness_taken_over_before_the_restore(log: &Path) {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let line = |needle: &str| {
+        text.lines()
+            .position(|l| l.contains(needle))
+            .unwrap_or_else(|| panic!("no {needle:?} in the new process's log:\n{text}"))
+    };
+    let listening = line("admin, readiness and metrics endpoints listening");
+    let restored = line("pod table restored");
+    assert!(
+        listening < restored,
+        "readiness bound after the restore (lines {listening}, {restored}):\n{text}"
+    );
+    let at_bind = text.lines().nth(listening).unwrap_or_default();
+    assert!(
+        at_bind.contains(ztnode::node::AGENT_START_TASK),
+        "not-ready while restoring: {at_bind}"
+    );
+}
+
 /// A second `ztnode node` with the first one's config and run dir, logging to `log`.
 fn start_second_node(node: &MeshNode, log: &Path) -> NodeProcess {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_ztnode"));
@@ -125,6 +148,7 @@ fn a_node_process_is_replaced_without_a_failed_connection() {
     let _new = start_second_node(&node, &log2);
     let restored = MeshNode::wait_log_in(&log2, &["pod table restored"], Duration::from_secs(20));
     assert!(restored.contains("restored=2"), "{restored}");
+    readiness_taken_over_before_the_restore(&log2);
     MeshNode::wait_log_in(
         &log2,
         &["workload proxy manager ready"],

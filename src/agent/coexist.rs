@@ -5,9 +5,12 @@
 //! - a CNI config in the conf dir holds Istio's `istio-cni` plugin (its installer's entry, a
 //!   standalone `istio-cni.conf`, or inside a Multus delegate), or
 //! - something serves the ZDS socket (`/var/run/ztunnel/ztunnel.sock`, istio-cni's
-//!   `ZTUNNEL_UDS_ADDRESS`): a SOCK_SEQPACKET connect succeeds, so Istio's istio-cni agent (or
-//!   another ztnode agent) is running and ztunnel talks to it. A socket file nobody listens on is
-//!   a leftover and fine.
+//!   `ZTUNNEL_UDS_ADDRESS`): a listening SOCK_SEQPACKET socket bound to that path is in
+//!   `/proc/net/unix`, so Istio's istio-cni agent (or another ztnode agent) is running and
+//!   ztunnel talks to it. The check does not connect to a listener of its own netns (a live
+//!   agent would take the probe for its newest proxy connection); only a socket file that table
+//!   does not list (a listener in another netns) is probed by a connect. A socket file nobody
+//!   listens on is a leftover and fine.
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -63,9 +66,67 @@ pub fn check(cni_conf_dir: &Path, zds_socket: &Path) -> Result<(), CoexistError>
     Ok(())
 }
 
-/// Whether a SOCK_SEQPACKET listener answers at `path`. Non-blocking: a full backlog (`EAGAIN`)
-/// still means someone listens. A missing file, a refused connect or any other error says no.
+/// The kernel's table of the unix sockets of this network namespace.
+const PROC_NET_UNIX: &str = "/proc/net/unix";
+
+/// `__SO_ACCEPTCON` in the table's `Flags`: the socket listens.
+const ACCEPTCON: u32 = 0x10000;
+
+/// `SOCK_SEQPACKET` in the table's `Type`.
+const SEQPACKET: u32 = 5;
+
+/// Whether a SOCK_SEQPACKET socket listens at `path`. A listener of this network namespace (where
+/// the host's agents run) is found in [`PROC_NET_UNIX`], without connecting. Only when the table
+/// does not list one while a socket file is there (a listener in another netns is not in this
+/// netns's table, or there is no procfs) does a non-blocking connect decide: a full backlog
+/// (`EAGAIN`) still means someone listens, a refused connect means a leftover file.
 fn zds_in_use(path: &Path) -> bool {
+    let listed = match std::fs::read_to_string(PROC_NET_UNIX) {
+        Ok(table) => listening_at(&table, path),
+        Err(e) => {
+            tracing::debug!(error = %e, file = PROC_NET_UNIX, "cannot read the unix socket table");
+            false
+        }
+    };
+    let socket_file = std::fs::symlink_metadata(path)
+        .is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()));
+    listed || (socket_file && connects(path))
+}
+
+/// Whether `table` (the text of `/proc/net/unix`: `Num RefCount Protocol Flags Type St Inode
+/// Path`) lists a listening SOCK_SEQPACKET socket bound to `path`. Paths compare with their
+/// directory resolved (`/var/run` is often a link to `/run`); abstract sockets (`@...`) never
+/// match.
+fn listening_at(table: &str, path: &Path) -> bool {
+    let want = resolved(path);
+    table.lines().skip(1).any(|line| {
+        let mut rest = line.trim_start();
+        let mut fields = [""; 7];
+        for f in &mut fields {
+            let end = rest.find(' ').unwrap_or(rest.len());
+            *f = &rest[..end];
+            rest = rest[end..].trim_start();
+        }
+        let hex = |s: &str| u32::from_str_radix(s, 16).ok();
+        let listening = hex(fields[3]).is_some_and(|flags| flags & ACCEPTCON != 0);
+        let seqpacket = hex(fields[4]) == Some(SEQPACKET);
+        listening
+            && seqpacket
+            && rest.starts_with('/')
+            && resolved(Path::new(rest)) == want
+    })
+}
+
+/// `path` with its parent directory canonicalised (the file itself may be gone).
+fn resolved(path: &Path) -> PathBuf {
+    match (path.parent().map(std::fs::canonicalize), path.file_name()) {
+        (Some(Ok(dir)), Some(name)) => dir.join(name),
+        _ => path.to_owned(),
+    }
+}
+
+/// Whether a non-blocking SOCK_SEQPACKET connect to `path` is taken (or the backlog is full).
+fn connects(path: &Path) -> bool {
     let connect = || -> io::Result<()> {
         let sock = Socket::new(Domain::UNIX, Type::SEQPACKET, None)?;
         sock.set_nonblocking(true)?;
@@ -91,6 +152,19 @@ mod tests {
         l.bind(&SockAddr::unix(&path).unwrap()).unwrap();
         l.listen(1).unwrap();
         assert!(zds_in_use(&path), "listening");
+        l.set_nonblocking(true).unwrap();
+        assert!(
+            l.accept().is_err_and(|e| e.kind() == io::ErrorKind::WouldBlock),
+            "the check connected to the listener"
+        );
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(dir.path(), &link).unwrap();
+        assert!(zds_in_use(&link.join("ztunnel.sock")), "through a linked dir");
+        let stream = Socket::new(Domain::UNIX, Type::STREAM, None).unwrap();
+        let stream_path = dir.path().join("stream.sock");
+        stream.bind(&SockAddr::unix(&stream_path).unwrap()).unwrap();
+        stream.listen(1).unwrap();
+        assert!(!zds_in_use(&stream_path), "a stream listener is not ZDS");
         assert!(matches!(
             check(dir.path(), &path),
             Err(CoexistError::ZdsInUse { .. })
@@ -99,6 +173,21 @@ mod tests {
         assert!(path.exists());
         assert!(!zds_in_use(&path), "stale file");
         check(dir.path(), &path).unwrap();
+    }
+
+    #[test]
+    fn the_socket_table_is_read_as_the_kernel_writes_it() {
+        let table = "Num       RefCount Protocol Flags    Type St Inode Path\n\
+            0000000000000000: 00000002 00000000 00010000 0005 01 4242 /tmp/zt x/ztunnel.sock\n\
+            0000000000000000: 00000003 00000000 00000000 0005 03 4243 /tmp/zt x/ztunnel.sock\n\
+            0000000000000000: 00000002 00000000 00010000 0001 01 4244 /tmp/zt y/ztunnel.sock\n\
+            0000000000000000: 00000002 00000000 00010000 0005 01 4245 @/tmp/zt z/ztunnel.sock\n\
+            0000000000000000: 00000002 00000000 00010000 0005 01 4246\n";
+        assert!(listening_at(table, Path::new("/tmp/zt x/ztunnel.sock")));
+        assert!(!listening_at(table, Path::new("/tmp/zt y/ztunnel.sock")), "stream");
+        assert!(!listening_at(table, Path::new("/tmp/zt z/ztunnel.sock")), "abstract");
+        assert!(!listening_at(table, Path::new("/tmp/zt w/ztunnel.sock")), "other path");
+        assert!(!listening_at("", Path::new("/tmp/zt x/ztunnel.sock")));
     }
 
     #[test]

@@ -22,7 +22,7 @@ struct EventType {
 }
 
 /// The agent's metric families (clones share the series).
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct AgentMetrics {
     plugin_requests: Family<ResponseCode, Counter>,
     reconcile_events: Family<EventType, Counter>,

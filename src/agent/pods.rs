@@ -17,7 +17,7 @@ pub mod store;
 #[cfg(test)]
 mod tests;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -33,6 +33,7 @@ use crate::agent::redirect::host::HostProbe;
 use crate::agent::redirect::{self, RedirectPlan};
 use crate::netns::{Netns, NetnsError};
 use crate::podevent::{PodAddEvent, PodDelEvent};
+use crate::runtime::socket_file::SocketFile;
 use crate::zds::{WorkloadInfo, WorkloadRequest, ZdsError};
 
 pub use rules::{NftRules, RuleApplier};
@@ -143,6 +144,25 @@ pub struct RestoreReport {
     pub failed: usize,
 }
 
+impl RestoreReport {
+    fn count(&mut self, r: Restored) {
+        match r {
+            Restored::Yes => self.restored += 1,
+            Restored::Dropped => self.dropped += 1,
+            Restored::Failed => self.failed += 1,
+        }
+    }
+}
+
+/// Reads the table file on a blocking thread. Errors: the outer one when the task failed, the
+/// inner one when the file could not be read or parsed.
+async fn load(store: &Arc<Store>) -> Result<Result<Vec<PodRecord>, StoreError>, PodError> {
+    let loader = store.clone();
+    tokio::task::spawn_blocking(move || loader.load())
+        .await
+        .map_err(|_| PodError::Task(store.path().display().to_string()))
+}
+
 /// The pod table with the generation of its last change (orders the writes to disk).
 #[derive(Default)]
 struct Table {
@@ -164,6 +184,11 @@ pub struct PodManager {
     host_probe: OnceLock<Arc<HostProbe>>,
     /// The agent's metrics (plugin requests, reconcile events, pods enrolled and pending).
     pub metrics: AgentMetrics,
+    /// The plugin socket this agent bound: once another agent took the path over (an upgrade)
+    /// and wrote the table, the file is the new agent's and this one stops writing it.
+    owner: OnceLock<SocketFile>,
+    /// Set when a write was skipped because the socket was taken over (logged once).
+    superseded: std::sync::atomic::AtomicBool,
 }
 
 /// A pod to enroll, found by the plugin's event or, in Kubernetes mode, by the reconciler.
@@ -192,6 +217,12 @@ enum Restored {
 impl PodManager {
     /// A manager that enrolls by `policy`, redirects with `plan` and hands pods to the proxy via `zds`
     /// (the in-process channel or the ZDS socket server).
+    /// This manager counting into `metrics` (a clone shares the counters).
+    pub fn with_metrics(mut self, metrics: AgentMetrics) -> PodManager {
+        self.metrics = metrics;
+        self
+    }
+
     pub fn new(
         policy: Arc<dyn EnrollmentPolicy>,
         zds: impl Into<WorkloadSink>,
@@ -215,7 +246,18 @@ impl PodManager {
             changes: OnceLock::new(),
             host_probe: OnceLock::new(),
             metrics: AgentMetrics::default(),
+            owner: OnceLock::new(),
+            superseded: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// Ties the table file to the plugin socket this agent bound (call before
+    /// [`PodManager::restore`]): once another process bound the socket path and has written
+    /// `pods.json` itself, this manager no longer writes it, so a draining old agent cannot
+    /// overwrite the new agent's table (until the new agent writes, the old one's changes still
+    /// go to the file, for the new agent's second read).
+    pub fn set_owner(&self, socket: SocketFile) {
+        let _ = self.owner.set(socket);
     }
 
     /// The enrolled pods, sorted by namespace/name.
@@ -228,8 +270,11 @@ impl PodManager {
     /// Attaches the manager to `<run_dir>/pods.json` and brings back the pods a previous agent
     /// enrolled: for each record whose netns path still opens (and still names the same
     /// namespace) the rules are re-applied (idempotent) and the pod is re-added to the proxy, then
-    /// `SnapshotSent` is sent; the others are dropped. From then on every ADD and DEL rewrites the
-    /// file. Call once at start, before plugin events are served.
+    /// `SnapshotSent` is sent; the others are dropped. The file is read a second time after that:
+    /// an older agent still serving an event when this one took the plugin socket over may have
+    /// added or removed a pod meanwhile, and this agent follows it. From then on every ADD and DEL
+    /// rewrites the file. Call once at start, after binding the plugin socket (see
+    /// [`PodManager::set_owner`]) and before serving it.
     ///
     /// Per-pod failures are logged and counted, not returned. An unreadable or unparsable file is
     /// logged and treated as empty. Errors: [`StoreError::AlreadyAttached`] on a second call.
@@ -238,21 +283,31 @@ impl PodManager {
         if let Err(other) = self.store.set(store.clone()) {
             return Err(StoreError::AlreadyAttached(other.path().to_owned()).into());
         }
-        let loader = store.clone();
-        let records = match tokio::task::spawn_blocking(move || loader.load()).await {
-            Ok(Ok(r)) => r,
-            Ok(Err(e)) => {
-                tracing::error!(error = %e, "cannot read the pod table, starting empty");
-                Vec::new()
-            }
-            Err(_) => return Err(PodError::Task(store.path().display().to_string())),
-        };
+        let records = load(&store).await?.unwrap_or_else(|e| {
+            tracing::error!(error = %e, "cannot read the pod table, starting empty");
+            Vec::new()
+        });
+        let first: HashSet<String> = records.iter().map(|r| r.uid.clone()).collect();
         let mut report = RestoreReport::default();
         for rec in records {
-            match self.restore_one(rec).await {
-                Restored::Yes => report.restored += 1,
-                Restored::Dropped => report.dropped += 1,
-                Restored::Failed => report.failed += 1,
+            report.count(self.restore_one(rec).await);
+        }
+        // An older agent may have written the table while this one restored it (an event it
+        // was serving when this agent bound the socket): pods it added are restored too, pods it
+        // removed are removed here as well.
+        if let Ok(again) = load(&store).await? {
+            let now: HashSet<String> = again.iter().map(|r| r.uid.clone()).collect();
+            for rec in again {
+                if !first.contains(&rec.uid) {
+                    tracing::info!(uid = %rec.uid, "pod added by the previous agent during the restore");
+                    report.count(self.restore_one(rec).await);
+                }
+            }
+            for uid in first.difference(&now) {
+                tracing::info!(%uid, "pod removed by the previous agent during the restore");
+                if let Err(e) = self.unenroll(uid, true).await {
+                    tracing::warn!(%uid, error = %e, "removing the pod failed");
+                }
             }
         }
         let snapshot = self.update(|_| ()).1;
@@ -359,8 +414,22 @@ impl PodManager {
             return;
         };
         let path = store.path().to_owned();
-        match tokio::task::spawn_blocking(move || store.save(generation, records)).await {
-            Ok(Ok(())) => {}
+        let owner = self.owner.get().cloned();
+        let write = move || {
+            // Taken over: the file stays this agent's until the new agent wrote it (a pod this
+            // one enrolls meanwhile reaches the new agent's second read, see `restore`).
+            if owner.as_ref().is_some_and(|o| !o.is_ours()) && store.written_by_another() {
+                return Ok(false);
+            }
+            store.save(generation, records).map(|()| true)
+        };
+        match tokio::task::spawn_blocking(write).await {
+            Ok(Ok(true)) => {}
+            Ok(Ok(false)) => {
+                if !self.superseded.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                    tracing::info!(file = %path.display(), "plugin socket taken over by a newer agent: the pod table is its now, no longer written");
+                }
+            }
             Ok(Err(e)) => tracing::error!(error = %e, "persisting the pod table failed"),
             Err(_) => tracing::error!(file = %path.display(), "pod table writer task failed"),
         }

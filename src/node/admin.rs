@@ -39,8 +39,10 @@ pub struct Admin {
     pub state: StateHandle,
     /// Pod proxies.
     pub proxies: Arc<ProxyManager>,
-    /// Enrolled pods (`None` in a proxy-only process: `enrolledPods` is then null).
-    pub pods: Option<Arc<PodManager>>,
+    /// Enrolled pods (`None` in a proxy-only process: `enrolledPods` is then null). The endpoints
+    /// are up before the agent has restored its pods, so the agent's table is set here once it
+    /// started (an empty list until then).
+    pub pods: Option<Arc<std::sync::OnceLock<Arc<PodManager>>>>,
     /// Start-up tasks `/healthz/ready` waits for.
     pub ready: Readiness,
     /// Every metric of the process, served on `/metrics`.
@@ -125,6 +127,13 @@ pub async fn spawn(
             }
         });
     }
+    tracing::info!(
+        admin = %admin_addr,
+        readiness = %ready_addr,
+        stats = %stats_addr,
+        pending = ?admin.ready.pending_tasks(),
+        "admin, readiness and metrics endpoints listening"
+    );
     Ok(())
 }
 
@@ -288,11 +297,11 @@ mod tests {
         Admin {
             state,
             proxies: ProxyManager::new(ctx),
-            pods: Some(Arc::new(PodManager::new(
+            pods: Some(Arc::new(std::sync::OnceLock::from(Arc::new(PodManager::new(
                 policy,
                 zds,
                 RedirectPlan::default(),
-            ))),
+            ))))),
             ready,
             metrics: Arc::new(Exposition::new(
                 prometheus_client::registry::Registry::default(),

@@ -63,9 +63,10 @@ pub const DEFAULT_TERMINATION_DEADLINE: Duration = Duration::from_secs(5);
 /// else from Kubernetes' `TERMINATION_GRACE_PERIOD_SECONDS` minus 5 s (minus 1 s when it is 10 s
 /// or less), at least 1 s, so that the rest is closed before the kubelet's SIGKILL; else
 /// [`DEFAULT_TERMINATION_DEADLINE`]. Unlike ztunnel, an explicit deadline longer than a set grace
-/// period is cut to the grace period (the SIGKILL would end it there anyway).
+/// period is cut to the grace period (the SIGKILL would end it there anyway), and no deadline is
+/// longer than [`MAX_TERMINATION_DEADLINE`].
 pub fn termination_deadline(explicit: Option<Duration>, grace_secs: Option<u64>) -> Duration {
-    match (explicit, grace_secs) {
+    let deadline = match (explicit, grace_secs) {
         (Some(d), Some(g)) => d.min(Duration::from_secs(g)),
         (Some(d), None) => d,
         (None, Some(g)) => {
@@ -73,8 +74,13 @@ pub fn termination_deadline(explicit: Option<Duration>, grace_secs: Option<u64>)
             Duration::from_secs(left.max(1))
         }
         (None, None) => DEFAULT_TERMINATION_DEADLINE,
-    }
+    };
+    deadline.min(MAX_TERMINATION_DEADLINE)
 }
+
+/// The longest drain deadline taken from the env: a larger value (a typo such as `5000h`, or
+/// a grace period of years) is cut to this.
+pub const MAX_TERMINATION_DEADLINE: Duration = Duration::from_secs(3600);
 
 /// What [`IstioEnv::from_vars`] rejects.
 #[derive(Debug, thiserror::Error)]
@@ -578,6 +584,18 @@ mod tests {
         ])
         .expect("env");
         assert_eq!(e.termination_deadline, Duration::from_secs(30));
+        // huge values are cut to an hour (a drain must be able to compute its end)
+        for vars in [
+            &[("CONNECTION_TERMINATION_DEADLINE", "2562047788015215h")][..],
+            &[("TERMINATION_GRACE_PERIOD_SECONDS", "18446744073709551615")],
+            &[
+                ("CONNECTION_TERMINATION_DEADLINE", "100000h"),
+                ("TERMINATION_GRACE_PERIOD_SECONDS", "99999999999"),
+            ],
+        ] {
+            let e = env(vars).expect("env");
+            assert_eq!(e.termination_deadline, MAX_TERMINATION_DEADLINE, "{vars:?}");
+        }
         for (name, bad) in [
             ("CONNECTION_TERMINATION_DEADLINE", "soon"),
             ("TERMINATION_GRACE_PERIOD_SECONDS", "-1"),

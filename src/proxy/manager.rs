@@ -104,6 +104,10 @@ struct Running {
     status: PodStatus,
 }
 
+/// The drain deadline used when the one asked for does not fit in an [`Instant`] (the env's is
+/// capped lower already, [`crate::proxy::istio_env::MAX_TERMINATION_DEADLINE`]).
+const MAX_DRAIN: Duration = Duration::from_secs(3600);
+
 /// A shutdown in progress: the pods whose drain [`ProxyManager::start_drain`] began, and the
 /// deadline of their open connections.
 #[derive(Debug)]
@@ -249,12 +253,13 @@ impl ProxyManager {
     /// ([`Draining::finish`]). The pods leave the table at once (a later Del finds nothing; their
     /// certificates and local addresses are released when they finish).
     pub fn start_drain(&self, deadline: Duration) -> Draining {
-        self.draining.store(true, Ordering::Release);
-        let pods: Vec<(String, Running)> = self
-            .running
-            .lock()
-            .map(|mut r| r.drain().collect())
-            .unwrap_or_default();
+        // set under the table's lock: an Add that started before checks it again when it
+        // inserts, so no pod gets into the table behind the drain
+        let pods: Vec<(String, Running)> = {
+            let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());
+            self.draining.store(true, Ordering::Release);
+            running.drain().collect()
+        };
         for (_, p) in &pods {
             p.drain.start();
         }
@@ -266,7 +271,9 @@ impl ProxyManager {
         Draining {
             ctx: self.ctx.clone(),
             pods,
-            deadline: Instant::now() + deadline,
+            deadline: Instant::now()
+                .checked_add(deadline)
+                .unwrap_or_else(|| Instant::now() + MAX_DRAIN),
         }
     }
 
@@ -353,21 +360,28 @@ impl ProxyManager {
             identity: identity.to_string(),
             netns: netns.id().to_string(),
         };
-        if let Ok(mut r) = self.running.lock() {
-            self.ctx.local.insert(&uid, &ips, &identity);
-            r.insert(
-                uid,
-                Running {
-                    netns: netns.id(),
-                    identity,
-                    ips,
-                    task,
-                    drain,
-                    status,
-                },
-            );
-            hold.keep();
+        let mut r = self.running.lock().unwrap_or_else(|p| p.into_inner());
+        if self.draining.load(Ordering::Acquire) {
+            // the drain began while this pod was starting: it is not served (its certificate
+            // hold is released on return)
+            drop(r);
+            task.abort();
+            tracing::info!(%uid, "pod start refused: the proxy began draining meanwhile");
+            return Err(PodProxyError::Draining);
         }
+        self.ctx.local.insert(&uid, &ips, &identity);
+        r.insert(
+            uid,
+            Running {
+                netns: netns.id(),
+                identity,
+                ips,
+                task,
+                drain,
+                status,
+            },
+        );
+        hold.keep();
         self.ctx.metrics.workload_manager.started.inc();
         Ok(())
     }
@@ -592,193 +606,4 @@ async fn accept_backoff(e: std::io::Error) {
 }
 
 #[cfg(test)]
-mod tests {
-    use futures::future::BoxFuture;
-
-    use super::*;
-    use crate::proxy::identity::{CaClientError, CertOptions, Issued, RemoteCa, TrustBundle};
-
-    /// A CA that refuses every token.
-    struct Refusing;
-
-    impl RemoteCa for Refusing {
-        fn fetch<'a>(&'a self, _: &'a Identity) -> BoxFuture<'a, Result<Issued, CaClientError>> {
-            Box::pin(async {
-                Err(CaClientError::Unauthenticated {
-                    message: "unknown token".into(),
-                })
-            })
-        }
-    }
-
-    #[tokio::test]
-    async fn a_refused_certificate_fails_the_pod_start_with_the_cas_words() {
-        let yaml = "workloads:\n- {uid: c1//v1/Pod/default/client, name: client, namespace: default, \
-                    serviceAccount: alice, workloadIps: [\"10.9.0.2\"], protocol: HBONE}\n";
-        let cfg = crate::proxy::config::parse_local_config(yaml).expect("config");
-        let state = crate::proxy::state::StateHandle::new(
-            crate::proxy::state::ProxyState::from_config(&cfg).expect("state"),
-        );
-        let bundle = Arc::new(TrustBundle::new(Vec::new(), &[]));
-        let certs = CertManager::remote(
-            Arc::new(Refusing),
-            bundle,
-            CertOptions::new(Duration::from_secs(3600)),
-        );
-        let ctx = Arc::new(ProxyContext {
-            state,
-            certs: certs.clone(),
-            metrics: crate::proxy::metrics::Metrics::default(),
-            mark: crate::mesh::PacketMark::DEFAULT,
-            local: Default::default(),
-            pool: crate::proxy::pool::PoolConfig::default(),
-            dns: None,
-            trust_domain: "cluster.local".into(),
-        });
-        let manager = ProxyManager::new(ctx);
-        let info = WorkloadInfo {
-            name: "client".into(),
-            namespace: "default".into(),
-            service_account: "alice".into(),
-        };
-        let netns = Netns::current().expect("netns");
-        let err = manager
-            .add("uid-1".into(), info, netns)
-            .await
-            .expect_err("refused");
-        assert_eq!(
-            err.to_string(),
-            "fetching the certificate for spiffe://cluster.local/ns/default/sa/alice failed: \
-             CA refused the token (UNAUTHENTICATED): unknown token"
-        );
-        assert!(manager.is_empty());
-        let alice = Identity::new("cluster.local", "default", "alice");
-        assert_eq!(certs.holders(&alice), 0, "no reference left behind");
-    }
-
-    /// A CA that records the identities asked for, then refuses.
-    struct Recording(std::sync::Mutex<Vec<String>>);
-
-    impl RemoteCa for Recording {
-        fn fetch<'a>(&'a self, id: &'a Identity) -> BoxFuture<'a, Result<Issued, CaClientError>> {
-            if let Ok(mut asked) = self.0.lock() {
-                asked.push(id.to_string());
-            }
-            Box::pin(async {
-                Err(CaClientError::Unauthenticated {
-                    message: "recorded".into(),
-                })
-            })
-        }
-    }
-
-    #[tokio::test]
-    async fn a_pod_served_from_its_handoff_has_the_configured_trust_domain() {
-        let state = crate::proxy::state::StateHandle::new(Default::default());
-        let ca = Arc::new(Recording(Default::default()));
-        let certs = CertManager::remote(
-            ca.clone(),
-            Arc::new(TrustBundle::new(Vec::new(), &[])),
-            CertOptions::new(Duration::from_secs(3600)),
-        );
-        let ctx = Arc::new(ProxyContext {
-            state,
-            certs,
-            metrics: crate::proxy::metrics::Metrics::default(),
-            mark: crate::mesh::PacketMark::DEFAULT,
-            local: Default::default(),
-            pool: crate::proxy::pool::PoolConfig::default(),
-            dns: None,
-            trust_domain: "corp.example".into(),
-        });
-        let manager = ProxyManager::new(ctx);
-        let info = WorkloadInfo {
-            name: "late".into(),
-            namespace: "default".into(),
-            service_account: "erin".into(),
-        };
-        let netns = Netns::current().expect("netns");
-        let _ = manager.add("uid-late".into(), info, netns).await;
-        let asked = ca.0.lock().expect("asked").clone();
-        assert_eq!(asked, ["spiffe://corp.example/ns/default/sa/erin"]);
-    }
-
-    #[tokio::test]
-    async fn a_draining_manager_refuses_new_pods() {
-        let state = crate::proxy::state::StateHandle::new(Default::default());
-        let certs = CertManager::remote(
-            Arc::new(Refusing),
-            Arc::new(TrustBundle::new(Vec::new(), &[])),
-            CertOptions::new(Duration::from_secs(3600)),
-        );
-        let ctx = Arc::new(ProxyContext {
-            state,
-            certs,
-            metrics: crate::proxy::metrics::Metrics::default(),
-            mark: crate::mesh::PacketMark::DEFAULT,
-            local: Default::default(),
-            pool: crate::proxy::pool::PoolConfig::default(),
-            dns: None,
-            trust_domain: "cluster.local".into(),
-        });
-        let manager = ProxyManager::new(ctx);
-        let draining = manager.start_drain(Duration::from_secs(5));
-        let info = WorkloadInfo {
-            name: "late".into(),
-            namespace: "default".into(),
-            service_account: "erin".into(),
-        };
-        let err = manager
-            .add("uid-late".into(), info, Netns::current().expect("netns"))
-            .await
-            .expect_err("refused while draining");
-        assert!(matches!(err, PodProxyError::Draining), "{err}");
-        assert_eq!(
-            draining.finish().await,
-            DrainReport {
-                drained: 0,
-                forced: 0
-            }
-        );
-    }
-
-    #[test]
-    fn config_dump_names_the_workload_info_as_ztunnel_does() {
-        let status = PodStatus {
-            info: WorkloadInfo {
-                name: "client".into(),
-                namespace: "default".into(),
-                service_account: "alice".into(),
-            },
-            state: "Up",
-            identity: "spiffe://cluster.local/ns/default/sa/alice".into(),
-            netns: "4026532000:4".into(),
-        };
-        let v = serde_json::to_value(&status).expect("json");
-        assert_eq!(
-            v["info"],
-            serde_json::json!({"name": "client", "namespace": "default", "serviceAccount": "alice"})
-        );
-    }
-
-    #[tokio::test]
-    async fn accepted_sockets_inherit_nodelay_and_tcp_keepalive() {
-        let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        tune_listener(&l);
-        let addr = l.local_addr().expect("addr");
-        let _client = tokio::net::TcpStream::connect(addr).await.expect("connect");
-        let (s, _) = l.accept().await.expect("accept");
-        let sock = socket2::SockRef::from(&s);
-        assert!(s.nodelay().expect("nodelay"));
-        assert!(sock.keepalive().expect("SO_KEEPALIVE"));
-        assert_eq!(sock.tcp_keepalive_time().expect("time"), TCP_KEEPALIVE_TIME);
-        assert_eq!(
-            sock.tcp_keepalive_interval().expect("interval"),
-            TCP_KEEPALIVE_INTERVAL
-        );
-        assert_eq!(
-            sock.tcp_keepalive_retries().expect("retries"),
-            TCP_KEEPALIVE_RETRIES
-        );
-    }
-}
+mod tests;

@@ -163,24 +163,32 @@ impl PodSockets {
 
     /// The same factory with `SO_REUSEPORT` on (or off) for the listeners and the bound UDP
     /// sockets it makes from now on ([`PodSockets::listen`], [`PodSockets::listen_at`],
-    /// [`PodSockets::udp_bind`]); off by default.
+    /// [`PodSockets::udp_bind`]) on a fixed port (never on port 0); off by default.
     pub fn with_port_reuse(mut self, on: bool) -> PodSockets {
         self.reuse_port = on;
         self
     }
 
-    /// `SO_REUSEPORT` on `sock` when port reuse is on.
-    fn reuse(&self, sock: &Socket) -> Result<(), SocketError> {
-        if self.reuse_port {
+    /// Whether a socket bound to `addr` shares its port with a newer process: with port reuse
+    /// on, and only for a fixed port. An ephemeral port (0, e.g. a DNS upstream query's socket)
+    /// is this socket's alone; with `SO_REUSEPORT` the kernel could hand it a port another
+    /// socket of this user holds, and the steering would take that socket's datagrams.
+    fn shares_port(&self, addr: SocketAddr) -> bool {
+        self.reuse_port && addr.port() != 0
+    }
+
+    /// `SO_REUSEPORT` on `sock` when it shares its port ([`PodSockets::shares_port`]).
+    fn reuse(&self, sock: &Socket, addr: SocketAddr) -> Result<(), SocketError> {
+        if self.shares_port(addr) {
             sock.set_reuse_port(true)
                 .map_err(io_err("set SO_REUSEPORT"))?;
         }
         Ok(())
     }
 
-    /// After bind (UDP) or listen (TCP): with port reuse, new flows go to this socket.
+    /// After bind (UDP) or listen (TCP) of a socket that shares its port: new flows go to it.
     fn take_over(&self, sock: &Socket, addr: SocketAddr) {
-        if self.reuse_port
+        if self.shares_port(addr)
             && let Err(e) = steer_to_newest(sock)
         {
             tracing::warn!(%addr, error = %e, "cannot steer new connections to the newest listener");
@@ -239,7 +247,7 @@ impl PodSockets {
         if addr.is_ipv6() {
             sock.set_only_v6(true).map_err(io_err("set IPV6_V6ONLY"))?;
         }
-        self.reuse(&sock)?;
+        self.reuse(&sock, addr)?;
         sock.bind(&SockAddr::from(addr))
             .map_err(io_err(format!("bind udp {addr}")))?;
         self.take_over(&sock, addr);
@@ -252,7 +260,7 @@ impl PodSockets {
         let sock = self.fresh_socket(Domain::for_address(addr), false).await?;
         sock.set_reuse_address(true)
             .map_err(io_err("set SO_REUSEADDR"))?;
-        self.reuse(&sock)?;
+        self.reuse(&sock, addr)?;
         if addr.is_ipv6() {
             sock.set_only_v6(true).map_err(io_err("set IPV6_V6ONLY"))?;
         }
@@ -278,7 +286,7 @@ impl PodSockets {
         };
         sock.set_reuse_address(true)
             .map_err(io_err("set SO_REUSEADDR"))?;
-        self.reuse(&sock)?;
+        self.reuse(&sock, addr)?;
         let _ = sock.set_ip_transparent_v4(true);
         sock.bind(&SockAddr::from(addr))
             .map_err(io_err(format!("bind {addr}")))?;
@@ -470,28 +478,38 @@ mod tests {
         assert!(node_listener(single.local_addr().expect("addr"), false).is_err());
     }
 
+    /// A loopback port free right now (bound and let go).
+    fn free_port(udp: bool) -> u16 {
+        if udp {
+            std::net::UdpSocket::bind("127.0.0.1:0")
+                .and_then(|s| s.local_addr())
+                .expect("udp port")
+                .port()
+        } else {
+            std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|s| s.local_addr())
+                .expect("tcp port")
+                .port()
+        }
+    }
+
     #[tokio::test]
     async fn pod_udp_and_tcp_sockets_share_their_port_with_port_reuse() {
         let ns = Netns::current().expect("netns");
         let socks = PodSockets::new(&ns, PacketMark::DEFAULT)
             .expect("socket thread")
             .with_port_reuse(true);
-        let first = socks
-            .listen_at("127.0.0.1:0".parse().expect("addr"))
-            .await
-            .expect("tcp");
-        let at = first.local_addr().expect("addr");
+        let at = SocketAddr::from(([127, 0, 0, 1], free_port(false)));
+        let first = socks.listen_at(at).await.expect("tcp");
+        assert!(SockRef::from(&first).reuse_port().expect("get SO_REUSEPORT"));
         let second = socks.listen_at(at).await.expect("tcp again");
         let _c = tokio::net::TcpStream::connect(at).await.expect("connect");
         tokio::time::timeout(std::time::Duration::from_secs(5), second.accept())
             .await
             .expect("newest accepts")
             .expect("accept");
-        let u1 = socks
-            .udp_bind("127.0.0.1:0".parse().expect("addr"))
-            .await
-            .expect("udp");
-        let uat = u1.local_addr().expect("addr");
+        let uat = SocketAddr::from(([127, 0, 0, 1], free_port(true)));
+        let _u1 = socks.udp_bind(uat).await.expect("udp");
         let u2 = socks.udp_bind(uat).await.expect("udp again");
         let client = tokio::net::UdpSocket::bind("127.0.0.1:0")
             .await
@@ -504,6 +522,33 @@ mod tests {
                 .expect("newest gets the datagram")
                 .expect("recv");
         assert_eq!(&buf[..n], b"q");
+    }
+
+    #[tokio::test]
+    async fn ephemeral_sockets_never_share_their_port() {
+        let ns = Netns::current().expect("netns");
+        let socks = PodSockets::new(&ns, PacketMark::DEFAULT)
+            .expect("socket thread")
+            .with_port_reuse(true);
+        let any: SocketAddr = "127.0.0.1:0".parse().expect("addr");
+        let udp = socks.udp_bind(any).await.expect("udp");
+        let tcp = socks.listen_at(any).await.expect("tcp");
+        let listener = socks.listen(0).await.expect("listen");
+        for sock in [
+            SockRef::from(&udp),
+            SockRef::from(&tcp),
+            SockRef::from(&listener),
+        ] {
+            assert!(
+                !sock.reuse_port().expect("get SO_REUSEPORT"),
+                "no SO_REUSEPORT on port 0"
+            );
+        }
+        let taken = udp.local_addr().expect("addr");
+        assert!(
+            socks.udp_bind(taken).await.is_err(),
+            "nobody can join an ephemeral socket's port"
+        );
     }
 
     #[test]

@@ -6,7 +6,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 /// The socket file at a path, as bound by this process (device and inode at claim time).
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct SocketFile {
     path: PathBuf,
     id: Option<(u64, u64)>,
@@ -24,6 +24,12 @@ impl SocketFile {
     /// The path.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Whether the file at the path is still the one claimed (no other process has bound the
+    /// path since). Blocking (one `lstat`).
+    pub fn is_ours(&self) -> bool {
+        self.id.is_some() && self.id == file_id(&self.path)
     }
 
     /// Removes the file if it is still the one claimed; a file another process put there since
@@ -61,10 +67,13 @@ mod tests {
         std::fs::remove_file(&path).expect("unlink");
         let _second = std::os::unix::net::UnixListener::bind(&path).expect("bind again");
         let new = SocketFile::claim(&path);
+        assert!(!old.is_ours(), "the old claim sees the takeover");
+        assert!(new.is_ours());
         old.remove();
         assert!(path.exists(), "the old process leaves the new socket");
         new.remove();
         assert!(!path.exists(), "the new process removes its own");
+        assert!(!new.is_ours(), "a removed socket is nobody's");
         new.remove();
     }
 }

@@ -298,23 +298,21 @@ fn check_daemonset(r: &Rendered, p: &Platform) -> Result<()> {
         strategy.type_.as_deref() == Some("RollingUpdate"),
         "updateStrategy {strategy:?}"
     );
+    // Istio's ztunnel chart: surge one new pod beside the old, which stays until the new one is
+    // ready (the hand-over needs both processes at once).
     let unavailable = strategy
         .rolling_update
         .as_ref()
         .and_then(|r| r.max_unavailable.as_ref());
     ensure!(
-        unavailable == Some(&IntOrString::Int(1)),
+        unavailable == Some(&IntOrString::Int(0)),
         "maxUnavailable {unavailable:?}"
     );
-    // hostNetwork: a surge pod's ports are host ports the old pod holds; it would never start.
     let surge = strategy
         .rolling_update
         .as_ref()
         .and_then(|r| r.max_surge.as_ref());
-    ensure!(
-        surge == Some(&IntOrString::Int(0)),
-        "maxSurge {surge:?} (with hostNetwork the surge pod cannot be placed)"
-    );
+    ensure!(surge == Some(&IntOrString::Int(1)), "maxSurge {surge:?}");
 
     let pod = pod_spec(ds)?;
     ensure!(
@@ -381,6 +379,13 @@ fn check_daemonset(r: &Rendered, p: &Platform) -> Result<()> {
     );
     let pull = c.image_pull_policy.as_deref();
     ensure!(pull == Some("IfNotPresent"), "imagePullPolicy {pull:?}");
+    // hostNetwork makes every declared containerPort a host port, which the old pod holds: the
+    // surge pod would never be scheduled.
+    ensure!(
+        c.ports.as_ref().is_none_or(|p| p.is_empty()),
+        "ports declared ({:?}): host ports under hostNetwork block the surge pod",
+        c.ports
+    );
     let annotations = spec
         .template
         .metadata
@@ -504,7 +509,7 @@ fn check_env(c: &Container, p: &Platform) -> Result<()> {
             "{name} is {value:?} / fieldRef {field:?}, want {path}"
         );
     }
-    // No DNS proxy on 15053 yet: capturing DNS would cut enrolled pods off from it.
+    // DNS capture is opt-in in the shipped manifests (the DNS proxy on 15053 is always served).
     ensure!(
         env(c, "AMBIENT_DNS_CAPTURE")?.0 == Some("false"),
         "AMBIENT_DNS_CAPTURE"

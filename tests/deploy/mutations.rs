@@ -3,7 +3,7 @@
 
 use anyhow::{Context, Result, ensure};
 use k8s_openapi::api::core::v1::{
-    ConfigMap, Container, EnvVar, HTTPGetAction, PodSpec, SELinuxOptions,
+    ConfigMap, Container, ContainerPort, EnvVar, HTTPGetAction, PodSpec, SELinuxOptions,
     ServiceAccountTokenProjection, Volume, VolumeMount,
 };
 use k8s_openapi::api::rbac::v1::PolicyRule;
@@ -324,7 +324,7 @@ pub fn base() -> Vec<Mutation> {
             let t = &mut pod_mut(r).tolerations.as_mut().expect("tolerations")[0];
             t.key = Some("node-role.kubernetes.io/control-plane".into());
         }),
-        ("maxUnavailable 2", |r| {
+        ("maxUnavailable 1", |r| {
             let s = r.daemon_sets[0]
                 .spec
                 .as_mut()
@@ -333,7 +333,15 @@ pub fn base() -> Vec<Mutation> {
             s.rolling_update
                 .as_mut()
                 .expect("rollingUpdate")
-                .max_unavailable = Some(IntOrString::Int(2));
+                .max_unavailable = Some(IntOrString::Int(1));
+        }),
+        ("a declared containerPort", |r| {
+            container_mut(r).ports = Some(vec![ContainerPort {
+                name: Some("ztunnel-stats".into()),
+                container_port: 15020,
+                protocol: Some("TCP".into()),
+                ..Default::default()
+            }])
         }),
         ("OnDelete", |r| {
             let s = r.daemon_sets[0]
@@ -362,14 +370,14 @@ pub fn base() -> Vec<Mutation> {
         ("image always pulled", |r| {
             container_mut(r).image_pull_policy = Some("Always".into())
         }),
-        ("surge", |r| {
+        ("no surge", |r| {
             let s = r.daemon_sets[0]
                 .spec
                 .as_mut()
                 .and_then(|s| s.update_strategy.as_mut())
                 .and_then(|s| s.rolling_update.as_mut())
                 .expect("rollingUpdate");
-            s.max_surge = Some(IntOrString::Int(1));
+            s.max_surge = Some(IntOrString::Int(0));
         }),
         ("no AppArmor annotation", |r| {
             let t = r.daemon_sets[0]

@@ -10,7 +10,7 @@
 use std::fs::{self, OpenOptions};
 use std::io::Write as _;
 use std::net::IpAddr;
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
@@ -128,6 +128,8 @@ pub struct Store {
     path: PathBuf,
     /// Generation of the last write.
     written: Mutex<u64>,
+    /// Device and inode of the file the last write put in place (every write is a new file).
+    last_file: Mutex<Option<(u64, u64)>>,
 }
 
 impl Store {
@@ -136,6 +138,7 @@ impl Store {
         Store {
             path: run_dir.join(STATE_FILE),
             written: Mutex::new(0),
+            last_file: Mutex::new(None),
         }
     }
 
@@ -182,12 +185,25 @@ impl Store {
             pods,
         };
         let bytes = serde_json::to_vec_pretty(&doc).map_err(StoreError::Encode)?;
-        self.replace(&bytes)?;
+        let id = self.replace(&bytes)?;
         *written = generation;
+        *self.last_file.lock().unwrap_or_else(|p| p.into_inner()) = Some(id);
         Ok(())
     }
 
-    fn replace(&self, bytes: &[u8]) -> Result<(), StoreError> {
+    /// Whether the file at the path is not the one this store wrote last: another process (a
+    /// newer agent) has written the table since. A store that never wrote says whether a file
+    /// is there. Blocking (one `lstat`).
+    pub fn written_by_another(&self) -> bool {
+        let last = *self.last_file.lock().unwrap_or_else(|p| p.into_inner());
+        let now = fs::symlink_metadata(&self.path)
+            .ok()
+            .map(|m| (m.dev(), m.ino()));
+        now.is_some() && now != last
+    }
+
+    /// Writes `bytes` as the new file; returns its device and inode.
+    fn replace(&self, bytes: &[u8]) -> Result<(u64, u64), StoreError> {
         let io = |op, path: &Path| {
             let path = path.to_owned();
             move |source| StoreError::Io { op, path, source }
@@ -206,10 +222,12 @@ impl Store {
         f.set_permissions(fs::Permissions::from_mode(MODE))
             .map_err(io("chmod", &tmp))?;
         f.write_all(bytes).map_err(io("write", &tmp))?;
+        let meta = f.metadata().map_err(io("stat", &tmp))?;
         drop(f);
         // No fsync: the run dir is tmpfs on nodes (/var/run) and the table only has to survive an
         // agent restart, not a reboot (after a reboot the pods' netns are gone anyway). The rename
         // keeps readers from ever seeing a half-written file.
-        fs::rename(&tmp, &self.path).map_err(io("rename", &tmp))
+        fs::rename(&tmp, &self.path).map_err(io("rename", &tmp))?;
+        Ok((meta.dev(), meta.ino()))
     }
 }

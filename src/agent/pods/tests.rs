@@ -11,10 +11,12 @@ use crate::zds::{self, InProcessSender};
 
 const OWN_NETNS: &str = "/proc/self/ns/net";
 
-/// Records `apply`/`remove` calls.
+/// Records `apply`/`remove` calls; `on_apply` runs once, in the first `apply` (an older agent
+/// acting meanwhile).
 #[derive(Default)]
 struct FakeRules {
     calls: Mutex<Vec<&'static str>>,
+    on_apply: Mutex<Option<Box<dyn FnOnce() + Send>>>,
 }
 
 impl FakeRules {
@@ -30,6 +32,9 @@ impl RuleApplier for FakeRules {
         _pod: &crate::agent::enroll::PodOptions,
     ) -> Result<(), redirect::RedirectError> {
         self.calls.lock().expect("calls").push("apply");
+        if let Some(hook) = self.on_apply.lock().expect("hook").take() {
+            hook();
+        }
         Ok(())
     }
     fn remove(&self, _netns: &Netns) -> Result<(), redirect::RedirectError> {
@@ -259,6 +264,101 @@ async fn restore_reapplies_rules_readds_pods_and_drops_gone_netns() {
         .expect("del");
     assert_eq!(f.rules.calls(), ["apply", "remove"]);
     assert!(stored(dir.path()).is_empty());
+}
+
+/// A table file with pods `uids`, all in the test's own netns.
+fn write_table(dir: &Path, generation: u64, uids: &[&str]) {
+    let own = Netns::open(OWN_NETNS).expect("own netns").id();
+    let recs = uids
+        .iter()
+        .map(|uid| PodRecord {
+            uid: (*uid).into(),
+            info: WorkloadInfo {
+                name: uid.to_string(),
+                namespace: "default".into(),
+                service_account: "sa".into(),
+            },
+            options: Default::default(),
+            netns: OWN_NETNS.into(),
+            container_id: format!("cid-{uid}"),
+            ips: vec![],
+            netns_id: Some(own.into()),
+        })
+        .collect();
+    Store::new(dir).save(generation, recs).expect("write");
+}
+
+#[tokio::test]
+async fn restore_follows_what_the_old_agent_wrote_meanwhile() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    write_table(dir.path(), 1, &["uid-a", "uid-b"]);
+    let f = Fixture::new();
+    // while the first pod is being restored, the old agent finishes an ADD of c and a DEL of b
+    let path = dir.path().to_owned();
+    *f.rules.on_apply.lock().expect("hook") =
+        Some(Box::new(move || write_table(&path, 1, &["uid-a", "uid-c"])));
+    let report = f.pods.restore(dir.path()).await.expect("restore");
+    assert_eq!(report.restored, 3, "{report:?}");
+    let uids: Vec<_> = f.pods.enrolled().into_iter().map(|p| p.uid).collect();
+    assert_eq!(uids, ["uid-a", "uid-c"]);
+    assert!(f.proxy().contains(&"add uid-c".to_owned()), "{:?}", f.proxy());
+    assert!(f.proxy().contains(&"del uid-b".to_owned()), "{:?}", f.proxy());
+    assert_eq!(f.proxy().last().map(String::as_str), Some("snapshot"));
+    assert_eq!(
+        stored(dir.path())
+            .into_iter()
+            .map(|r| r.uid)
+            .collect::<Vec<_>>(),
+        ["uid-a", "uid-c"]
+    );
+}
+
+#[tokio::test]
+async fn an_agent_whose_socket_was_taken_over_stops_writing_the_table() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let sock = dir.path().join("pluginevent.sock");
+    let _old_listener = std::os::unix::net::UnixListener::bind(&sock).expect("bind");
+    let f = Fixture::new();
+    f.pods.set_owner(SocketFile::claim(&sock));
+    f.pods.restore(dir.path()).await.expect("attach");
+    f.pods
+        .add(add_event("a", "uid-a", "cid-a"))
+        .await
+        .expect("add a");
+    assert_eq!(stored(dir.path()).len(), 1);
+    // a newer agent binds the path; while it restores, this agent's changes still reach the file
+    std::fs::remove_file(&sock).expect("unlink");
+    let _new_listener = std::os::unix::net::UnixListener::bind(&sock).expect("bind again");
+    f.pods
+        .add(add_event("b", "uid-b", "cid-b"))
+        .await
+        .expect("add b");
+    assert_eq!(
+        stored(dir.path())
+            .into_iter()
+            .map(|r| r.uid)
+            .collect::<Vec<_>>(),
+        ["uid-a", "uid-b"],
+        "the new agent's second read sees b"
+    );
+    // then the new agent writes its own table
+    write_table(dir.path(), 1, &["uid-new"]);
+    f.pods
+        .add(add_event("c", "uid-c", "cid-c"))
+        .await
+        .expect("add c still served");
+    f.pods
+        .del(del_event("a", "uid-a", "cid-a"))
+        .await
+        .expect("del a");
+    assert_eq!(
+        stored(dir.path())
+            .into_iter()
+            .map(|r| r.uid)
+            .collect::<Vec<_>>(),
+        ["uid-new"],
+        "the old agent left the new agent's table alone"
+    );
 }
 
 #[tokio::test]

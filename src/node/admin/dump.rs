@@ -366,7 +366,10 @@ pub fn config_dump(admin: &Admin) -> Value {
         "config": &*admin.config,
         "certificates": certs_dump(&certs.certificate_states(), &certs.root_pem()),
         "workloadState": admin.proxies.status(),
-        "enrolledPods": admin.pods.as_ref().map(|p| p.enrolled()),
+        "enrolledPods": admin
+            .pods
+            .as_ref()
+            .map(|p| p.get().map(|m| m.enrolled()).unwrap_or_default()),
     })
 }
 
