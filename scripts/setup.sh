@@ -6,7 +6,7 @@
 #   machine kind ships with, not Debian's kubernetes-client (1.20, whose kustomize predates the
 #   syntax deploy/ uses).
 #   Python: grpcio, grpcio-tools, protobuf, cryptography, pyyaml (the fake istiod of the xDS/CA tests).
-#   Rust: the x86_64-unknown-linux-musl target.
+#   Rust: the x86_64-unknown-linux-musl target; the nightly toolchain and cargo-fuzz (fuzz targets).
 set -euo pipefail
 pkgs=(iproute2 nftables iptables tcpdump iperf3 file containernetworking-plugins musl-tools ca-certificates)
 missing=()
@@ -37,5 +37,13 @@ fi
 if ! command -v cargo >/dev/null 2>&1; then
   echo "setup: no Rust toolchain on PATH: install rustup (Rust >= 1.90); under sudo keep your PATH: sudo env \"PATH=\$PATH\" $0" >&2
   exit 1
+fi
+# The fuzz targets (scripts/fuzz.sh, run briefly by scripts/test.sh) need nightly and cargo-fuzz.
+if command -v rustup >/dev/null 2>&1 && ! rustup toolchain list | grep -q '^nightly'; then
+  rustup toolchain install nightly --profile minimal
+fi
+if ! command -v cargo-fuzz >/dev/null 2>&1; then
+  echo "setup: installing cargo-fuzz"
+  cargo +nightly install cargo-fuzz --locked --quiet
 fi
 echo "setup: ok"

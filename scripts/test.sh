@@ -6,3 +6,5 @@ cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
 cargo test --locked --no-fail-fast -- --test-threads=4
+# Every fuzz target for a short bounded time on its corpus (scripts/fuzz.sh SECONDS for longer).
+./scripts/fuzz.sh "${FUZZ_SECONDS:-10}"
