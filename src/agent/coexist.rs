@@ -110,10 +110,7 @@ fn listening_at(table: &str, path: &Path) -> bool {
         let hex = |s: &str| u32::from_str_radix(s, 16).ok();
         let listening = hex(fields[3]).is_some_and(|flags| flags & ACCEPTCON != 0);
         let seqpacket = hex(fields[4]) == Some(SEQPACKET);
-        listening
-            && seqpacket
-            && rest.starts_with('/')
-            && resolved(Path::new(rest)) == want
+        listening && seqpacket && rest.starts_with('/') && resolved(Path::new(rest)) == want
     })
 }
 
@@ -154,12 +151,16 @@ mod tests {
         assert!(zds_in_use(&path), "listening");
         l.set_nonblocking(true).unwrap();
         assert!(
-            l.accept().is_err_and(|e| e.kind() == io::ErrorKind::WouldBlock),
+            l.accept()
+                .is_err_and(|e| e.kind() == io::ErrorKind::WouldBlock),
             "the check connected to the listener"
         );
         let link = dir.path().join("link");
         std::os::unix::fs::symlink(dir.path(), &link).unwrap();
-        assert!(zds_in_use(&link.join("ztunnel.sock")), "through a linked dir");
+        assert!(
+            zds_in_use(&link.join("ztunnel.sock")),
+            "through a linked dir"
+        );
         let stream = Socket::new(Domain::UNIX, Type::STREAM, None).unwrap();
         let stream_path = dir.path().join("stream.sock");
         stream.bind(&SockAddr::unix(&stream_path).unwrap()).unwrap();
@@ -184,9 +185,18 @@ mod tests {
             0000000000000000: 00000002 00000000 00010000 0005 01 4245 @/tmp/zt z/ztunnel.sock\n\
             0000000000000000: 00000002 00000000 00010000 0005 01 4246\n";
         assert!(listening_at(table, Path::new("/tmp/zt x/ztunnel.sock")));
-        assert!(!listening_at(table, Path::new("/tmp/zt y/ztunnel.sock")), "stream");
-        assert!(!listening_at(table, Path::new("/tmp/zt z/ztunnel.sock")), "abstract");
-        assert!(!listening_at(table, Path::new("/tmp/zt w/ztunnel.sock")), "other path");
+        assert!(
+            !listening_at(table, Path::new("/tmp/zt y/ztunnel.sock")),
+            "stream"
+        );
+        assert!(
+            !listening_at(table, Path::new("/tmp/zt z/ztunnel.sock")),
+            "abstract"
+        );
+        assert!(
+            !listening_at(table, Path::new("/tmp/zt w/ztunnel.sock")),
+            "other path"
+        );
         assert!(!listening_at("", Path::new("/tmp/zt x/ztunnel.sock")));
     }
 

@@ -426,7 +426,10 @@ impl PodManager {
         match tokio::task::spawn_blocking(write).await {
             Ok(Ok(true)) => {}
             Ok(Ok(false)) => {
-                if !self.superseded.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                if !self
+                    .superseded
+                    .swap(true, std::sync::atomic::Ordering::Relaxed)
+                {
                     tracing::info!(file = %path.display(), "plugin socket taken over by a newer agent: the pod table is its now, no longer written");
                 }
             }

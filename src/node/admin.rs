@@ -165,8 +165,13 @@ fn handle<B>(
             text(StatusCode::OK, body, "application/json")
         }
         (Kind::Admin, "/logging") => match *req.method() {
-            http::Method::POST | http::Method::GET => {
+            http::Method::POST => {
                 let (code, body) = change_logging(req.uri().query());
+                text(code, body, "text/plain")
+            }
+            // a GET only shows the level (a link or a crawler never changes it)
+            http::Method::GET => {
+                let (code, body) = change_logging(None);
                 text(code, body, "text/plain")
             }
             _ => text(
@@ -297,11 +302,9 @@ mod tests {
         Admin {
             state,
             proxies: ProxyManager::new(ctx),
-            pods: Some(Arc::new(std::sync::OnceLock::from(Arc::new(PodManager::new(
-                policy,
-                zds,
-                RedirectPlan::default(),
-            ))))),
+            pods: Some(Arc::new(std::sync::OnceLock::from(Arc::new(
+                PodManager::new(policy, zds, RedirectPlan::default()),
+            )))),
             ready,
             metrics: Arc::new(Exposition::new(
                 prometheus_client::registry::Registry::default(),

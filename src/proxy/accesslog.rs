@@ -192,6 +192,29 @@ impl ConnectionLog {
         }
     }
 
+    /// Ends a connection the proxy closed itself (its pod stopped, the drain deadline): logged as
+    /// complete with `why` as its error, counted as closed with `bytes` and no failure flag (ztunnel
+    /// counts a drained connection as closed, not failed).
+    pub fn finish_closed_by_proxy(mut self, metrics: &Metrics, bytes: ByteCounts, why: &str) {
+        self.opened(metrics);
+        metrics.connection_closed(&self.0.labels, bytes);
+        if !tracing::enabled!(target: "access", tracing::Level::INFO) {
+            return;
+        }
+        let (bytes_sent, bytes_recv) = proxy_view(bytes, self.0.labels.reporter);
+        let duration = format!("{}ms", self.0.start.elapsed().as_millis());
+        let f = Fields::of(&self.0);
+        access_event!(
+            tracing::Level::INFO,
+            f,
+            bytes_sent,
+            bytes_recv,
+            duration = %duration,
+            error = %why,
+            "connection complete"
+        );
+    }
+
     /// Logs "connection failed" (warn) for a connection that never carried data, and counts it
     /// (opened, closed and failed, with `flags`).
     pub fn failed(

@@ -224,6 +224,21 @@ impl SoFar for TcpRelay {
     }
 }
 
+impl<F: SoFar> SoFar for Revocable<F> {
+    fn so_far(&self) -> Transferred {
+        self.relay.so_far()
+    }
+}
+
+impl<A: SoFar, B: SoFar> SoFar for futures::future::Either<A, B> {
+    fn so_far(&self) -> Transferred {
+        match self {
+            futures::future::Either::Left(a) => a.so_far(),
+            futures::future::Either::Right(b) => b.so_far(),
+        }
+    }
+}
+
 impl<F> Future for Revocable<F>
 where
     F: Future<Output = Result<Transferred, CopyError>> + SoFar + Unpin,

@@ -8,7 +8,7 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::pin::Pin;
+
 use std::sync::Arc;
 
 use futures::future::Either;
@@ -16,7 +16,7 @@ use tokio::net::TcpStream;
 
 use crate::mesh::NEVER_TARGET_PORTS;
 use crate::proxy::accesslog::ConnectionLog;
-use crate::proxy::copy::{self, CopyError, Transferred};
+use crate::proxy::copy;
 use crate::proxy::hbone::{self, CONNECT_TIMEOUT};
 use crate::proxy::metrics::Direction;
 use crate::proxy::metrics::labels::{self, ResponseFlags};
@@ -68,7 +68,7 @@ impl OutboundError {
 }
 
 /// A passthrough relay (boxed: the rare path must not size every HBONE task).
-type Passthrough = Pin<Box<dyn Future<Output = Result<Transferred, CopyError>> + Send>>;
+type Passthrough = copy::TcpRelay;
 
 /// The relay an outbound connection keeps once set up; an HBONE relay holds its stream's place in
 /// the pool's per-connection cap until it ends.
@@ -173,7 +173,7 @@ async fn setup(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) -> Option
         }
         None => match pod.sockets.connect(target, None, CONNECT_TIMEOUT).await {
             Ok(upstream) => {
-                let relay: Passthrough = Box::pin(copy::relay_tcp(tcp, upstream));
+                let relay: Passthrough = copy::TcpRelay::new(tcp, upstream);
                 Either::Right(relay)
             }
             Err(e) => {

@@ -230,6 +230,12 @@ impl<F> Leased<F> {
     }
 }
 
+impl<F: crate::proxy::live::SoFar> crate::proxy::live::SoFar for Leased<F> {
+    fn so_far(&self) -> crate::proxy::copy::Transferred {
+        self.relay.so_far()
+    }
+}
+
 impl<F: Future + Unpin> Future for Leased<F> {
     type Output = F::Output;
 

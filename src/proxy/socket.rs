@@ -501,7 +501,11 @@ mod tests {
             .with_port_reuse(true);
         let at = SocketAddr::from(([127, 0, 0, 1], free_port(false)));
         let first = socks.listen_at(at).await.expect("tcp");
-        assert!(SockRef::from(&first).reuse_port().expect("get SO_REUSEPORT"));
+        assert!(
+            SockRef::from(&first)
+                .reuse_port()
+                .expect("get SO_REUSEPORT")
+        );
         let second = socks.listen_at(at).await.expect("tcp again");
         let _c = tokio::net::TcpStream::connect(at).await.expect("connect");
         tokio::time::timeout(std::time::Duration::from_secs(5), second.accept())

@@ -23,6 +23,7 @@ use futures::future::OptionFuture;
 use crate::proxy::accesslog::ConnectionLog;
 use crate::proxy::copy::{CopyError, Transferred};
 use crate::proxy::live::LateRejection;
+use crate::proxy::live::SoFar;
 use crate::proxy::metrics::ByteCounts;
 use crate::proxy::metrics::labels::ResponseFlags;
 use crate::proxy::pod::ProxyContext;
@@ -35,7 +36,7 @@ use crate::proxy::pod::ProxyContext;
 /// whether the relay's TCP side (the [`Transferred`] orientation) is the connection's client
 /// ([`ByteCounts::client_side`]) or the app server ([`ByteCounts::server_side`]); a type parameter
 /// rather than a field, so it costs no bytes in every relaying task.
-pub struct Logged<F, const LOCAL_IS_CLIENT: bool> {
+pub struct Logged<F: SoFar, const LOCAL_IS_CLIENT: bool> {
     relay: F,
     /// Taken when the relay ends.
     log: Option<ConnectionLog>,
@@ -52,7 +53,7 @@ pub type ServerSide<F> = Logged<F, false>;
 #[error("relay: {0}")]
 pub struct RelayError(#[source] pub io::Error);
 
-impl<F, const LOCAL_IS_CLIENT: bool> Logged<F, LOCAL_IS_CLIENT> {
+impl<F: SoFar, const LOCAL_IS_CLIENT: bool> Logged<F, LOCAL_IS_CLIENT> {
     /// `relay` logged into `log` and counted in `ctx`'s metrics when it ends.
     pub fn new(ctx: Arc<ProxyContext>, log: ConnectionLog, relay: F) -> Self {
         Logged {
@@ -63,9 +64,9 @@ impl<F, const LOCAL_IS_CLIENT: bool> Logged<F, LOCAL_IS_CLIENT> {
     }
 }
 
-impl<F, const LOCAL_IS_CLIENT: bool> Future for Logged<F, LOCAL_IS_CLIENT>
+impl<F: SoFar, const LOCAL_IS_CLIENT: bool> Future for Logged<F, LOCAL_IS_CLIENT>
 where
-    F: Future<Output = Result<Transferred, CopyError>> + Unpin,
+    F: Future<Output = Result<Transferred, CopyError>> + SoFar + Unpin,
 {
     type Output = ();
 
@@ -99,16 +100,22 @@ where
     }
 }
 
-impl<F, const LOCAL_IS_CLIENT: bool> Drop for Logged<F, LOCAL_IS_CLIENT> {
-    /// A relay dropped before it ended (its pod stopped, the proxy shut down) is logged and counted
-    /// as closed with an error, as ztunnel records a connection closed by its drain; the bytes it
-    /// moved are not known here.
+impl<F: SoFar, const LOCAL_IS_CLIENT: bool> Drop for Logged<F, LOCAL_IS_CLIENT> {
+    /// A relay dropped before it ended (its pod stopped, the drain deadline) is logged with why
+    /// and counted as closed with the bytes it moved and no failure flag, as ztunnel records a
+    /// connection closed by its drain.
     fn drop(&mut self) {
         if let Some(log) = self.log.take() {
-            log.finish(
+            let t = self.relay.so_far();
+            let counts = if LOCAL_IS_CLIENT {
+                ByteCounts::client_side(t)
+            } else {
+                ByteCounts::server_side(t)
+            };
+            log.finish_closed_by_proxy(
                 &self.ctx.metrics,
-                ByteCounts::default(),
-                Some(&"connection closed by the proxy (pod or proxy stopped)"),
+                counts,
+                "connection closed by the proxy (pod stopped or drained)",
             );
         }
     }
@@ -119,7 +126,7 @@ impl<F, const LOCAL_IS_CLIENT: bool> Drop for Logged<F, LOCAL_IS_CLIENT> {
 pub fn run<S, F, const LOCAL_IS_CLIENT: bool>(setup: S) -> impl Future<Output = ()> + Send + 'static
 where
     S: Future<Output = Option<Logged<F, LOCAL_IS_CLIENT>>> + Send + 'static,
-    F: Future<Output = Result<Transferred, CopyError>> + Unpin + Send + 'static,
+    F: Future<Output = Result<Transferred, CopyError>> + SoFar + Unpin + Send + 'static,
 {
     Box::pin(setup).then(OptionFuture::from).map(drop)
 }
@@ -178,6 +185,42 @@ mod tests {
                 "{text}"
             );
         }
+    }
+
+    /// A relay dropped before it ended (its pod stopped, the drain deadline) is counted closed
+    /// with the bytes it moved and no failure (ztunnel counts a drained connection as closed).
+    #[test]
+    fn a_dropped_relay_is_counted_closed_with_its_bytes_and_not_failed() {
+        let ctx = ctx();
+        let idle: ClientSide<std::future::Pending<Result<Transferred, CopyError>>> = Logged::new(
+            ctx.clone(),
+            log(&ctx, Direction::Outbound),
+            std::future::pending(),
+        );
+        let (_, logs) = capture_logs(|| drop(idle));
+        let text = ctx.metrics.render();
+        assert_eq!(
+            counter(&text, "istio_tcp_connections_closed_total", "source"),
+            1,
+            "{text}"
+        );
+        assert_eq!(
+            counter(&text, "istio_tcp_connections_failed_total", "source"),
+            0,
+            "{text}"
+        );
+        // the idle relay moved 7 bytes from the client and 3 back (`live` tests' stand-in)
+        assert_eq!(
+            counter(&text, "istio_tcp_received_bytes_total", "source"),
+            7,
+            "{text}"
+        );
+        assert_eq!(
+            counter(&text, "istio_tcp_sent_bytes_total", "source"),
+            3,
+            "{text}"
+        );
+        assert!(logs.contains("connection closed by the proxy"), "{logs}");
     }
 
     /// An error-ended relay is logged with its error and the bytes it moved before, and counted

@@ -301,8 +301,16 @@ async fn restore_follows_what_the_old_agent_wrote_meanwhile() {
     assert_eq!(report.restored, 3, "{report:?}");
     let uids: Vec<_> = f.pods.enrolled().into_iter().map(|p| p.uid).collect();
     assert_eq!(uids, ["uid-a", "uid-c"]);
-    assert!(f.proxy().contains(&"add uid-c".to_owned()), "{:?}", f.proxy());
-    assert!(f.proxy().contains(&"del uid-b".to_owned()), "{:?}", f.proxy());
+    assert!(
+        f.proxy().contains(&"add uid-c".to_owned()),
+        "{:?}",
+        f.proxy()
+    );
+    assert!(
+        f.proxy().contains(&"del uid-b".to_owned()),
+        "{:?}",
+        f.proxy()
+    );
     assert_eq!(f.proxy().last().map(String::as_str), Some("snapshot"));
     assert_eq!(
         stored(dir.path())

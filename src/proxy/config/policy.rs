@@ -279,8 +279,9 @@ pub enum StringMatch {
     Prefix(String),
     /// Ends with the value.
     Suffix(String),
-    /// Any non-empty string.
-    Presence,
+    /// Any non-empty string. A variant with no fields, as ztunnel's, so it is written as
+    /// `{"Presence":[]}` (what `istioctl ztunnel-config` decodes), not as a bare string.
+    Presence(),
 }
 
 /// `{namespace, serviceAccount}` of a peer identity.
@@ -311,7 +312,7 @@ impl StringMatch {
             StringMatch::Exact(s) => value == s,
             StringMatch::Prefix(s) => value.starts_with(s.as_str()),
             StringMatch::Suffix(s) => value.ends_with(s.as_str()),
-            StringMatch::Presence => !value.is_empty(),
+            StringMatch::Presence() => !value.is_empty(),
         }
     }
 }
@@ -335,7 +336,7 @@ impl<'de> serde::de::Visitor<'de> for StringMatchVisitor {
 
     fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<StringMatch, E> {
         match v {
-            "Presence" => Ok(StringMatch::Presence),
+            "Presence" => Ok(StringMatch::Presence()),
             other => Err(E::invalid_value(serde::de::Unexpected::Str(other), &self)),
         }
     }
@@ -351,7 +352,7 @@ impl<'de> serde::de::Visitor<'de> for StringMatchVisitor {
             StringMatchKind::Suffix => StringMatch::Suffix(map.next_value()?),
             StringMatchKind::Presence => {
                 map.next_value::<serde::de::IgnoredAny>()?;
-                StringMatch::Presence
+                StringMatch::Presence()
             }
         };
         if map.next_key::<StringMatchKind>()?.is_some() {
@@ -369,7 +370,7 @@ impl<'de> serde::de::Visitor<'de> for StringMatchVisitor {
             StringMatchKind::Suffix => StringMatch::Suffix(v.newtype_variant()?),
             StringMatchKind::Presence => {
                 v.unit_variant()?;
-                StringMatch::Presence
+                StringMatch::Presence()
             }
         })
     }

@@ -325,9 +325,9 @@ policies:
     assert_eq!(s.visibility, Visibility::Namespace);
     assert_eq!(s.endpoints.len(), 1);
     let m = &cfg.policies[0].rules[0][0][0];
-    assert_eq!(m.not_principals[0], StringMatch::Presence);
+    assert_eq!(m.not_principals[0], StringMatch::Presence());
     assert_eq!(m.not_principals[1], StringMatch::Suffix("/sa/bad".into()));
-    assert_eq!(m.not_principals[2], StringMatch::Presence);
+    assert_eq!(m.not_principals[2], StringMatch::Presence());
     assert_eq!(
         m.principals,
         vec![
@@ -413,6 +413,21 @@ fn string_match_semantics() {
     assert!(!StringMatch::Exact("a".into()).matches("ab"));
     assert!(StringMatch::Prefix("a".into()).matches("ab"));
     assert!(StringMatch::Suffix("b".into()).matches("ab"));
-    assert!(StringMatch::Presence.matches("x"));
-    assert!(!StringMatch::Presence.matches(""));
+    assert!(StringMatch::Presence().matches("x"));
+    assert!(!StringMatch::Presence().matches(""));
+}
+
+/// `/config_dump` writes string matchers as ztunnel does, so `istioctl ztunnel-config` (Go,
+/// `StringMatch` a struct) decodes them: `Presence` as `{"Presence":[]}`, never a bare string.
+#[test]
+fn string_matchers_serialize_as_ztunnels() {
+    use crate::proxy::config::policy::StringMatch;
+    assert_eq!(
+        serde_json::to_value(StringMatch::Presence()).expect("json"),
+        serde_json::json!({"Presence": []})
+    );
+    assert_eq!(
+        serde_json::to_value(StringMatch::Exact("x".into())).expect("json"),
+        serde_json::json!({"Exact": "x"})
+    );
 }

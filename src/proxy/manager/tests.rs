@@ -272,7 +272,10 @@ async fn an_add_in_flight_when_the_drain_begins_is_not_served() {
         matches!(res, Err(PodProxyError::Draining)),
         "refused: {res:?}"
     );
-    assert!(manager.is_empty(), "no pod entered the table behind the drain");
+    assert!(
+        manager.is_empty(),
+        "no pod entered the table behind the drain"
+    );
     let erin = Identity::new("cluster.local", "default", "erin");
     assert_eq!(certs.holders(&erin), 0, "its certificate hold was released");
     assert_eq!(

@@ -475,7 +475,7 @@ fn string_match(s: &sec::StringMatch, field: &'static str) -> Result<StringMatch
         Some(MatchType::Exact(v)) => StringMatch::Exact(v.clone()),
         Some(MatchType::Prefix(v)) => StringMatch::Prefix(v.clone()),
         Some(MatchType::Suffix(v)) => StringMatch::Suffix(v.clone()),
-        Some(MatchType::Presence(())) => StringMatch::Presence,
+        Some(MatchType::Presence(())) => StringMatch::Presence(),
         None => return Err(ConvertError::Missing { field }),
     })
 }

@@ -360,7 +360,7 @@ fn authorizations_convert_rules_clauses_and_matches() {
     let gm = &got.rules[0][0][0];
     assert_eq!(gm.namespaces, [StringMatch::Prefix("a".into())]);
     assert_eq!(gm.not_namespaces, [StringMatch::Suffix("b".into())]);
-    assert_eq!(gm.not_principals, [StringMatch::Presence]);
+    assert_eq!(gm.not_principals, [StringMatch::Presence()]);
     assert_eq!(gm.service_accounts[0].service_account, "b");
     assert_eq!(gm.source_ips, ["10.0.0.0/8".parse::<Cidr>().unwrap()]);
     assert_eq!(gm.destination_ips, ["::/128".parse::<Cidr>().unwrap()]);
