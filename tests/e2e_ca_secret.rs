@@ -155,6 +155,26 @@ fn nodes_sharing_the_ca_secret_reach_each_other() {
         None,
         "a root per node: the server's node must refuse the client's certificate"
     );
+    // and it failed for that reason (node B served the client and tried), not for lack of a node
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let failed_on_trust = || {
+        std::fs::read_to_string(&log_b)
+            .unwrap_or_default()
+            .lines()
+            .any(|l| {
+                let l = l.to_ascii_lowercase();
+                l.contains("connection failed")
+                    && (l.contains("certificate") || l.contains("issuer") || l.contains("tls"))
+            })
+    };
+    while !failed_on_trust() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "node B logged no certificate failure:\n{}",
+            std::fs::read_to_string(&log_b).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 
     drop(node_b);
     let (node_b, log_b2) = start(&lab_b, &run_b, &config, &ca_b);
