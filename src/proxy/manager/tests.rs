@@ -18,6 +18,24 @@ impl RemoteCa for Refusing {
     }
 }
 
+/// A proxy context over `state` and `certs` with the defaults, trust domain `trust_domain`.
+fn context(
+    state: crate::proxy::state::StateHandle,
+    certs: Arc<CertManager>,
+    trust_domain: &str,
+) -> Arc<ProxyContext> {
+    Arc::new(ProxyContext {
+        state,
+        certs,
+        metrics: crate::proxy::metrics::Metrics::default(),
+        mark: crate::mesh::PacketMark::DEFAULT,
+        local: Default::default(),
+        pool: crate::proxy::pool::PoolConfig::default(),
+        dns: None,
+        trust_domain: trust_domain.into(),
+    })
+}
+
 #[tokio::test]
 async fn a_refused_certificate_fails_the_pod_start_with_the_cas_words() {
     let yaml = "workloads:\n- {uid: c1//v1/Pod/default/client, name: client, namespace: default, \
@@ -32,16 +50,7 @@ async fn a_refused_certificate_fails_the_pod_start_with_the_cas_words() {
         bundle,
         CertOptions::new(Duration::from_secs(3600)),
     );
-    let ctx = Arc::new(ProxyContext {
-        state,
-        certs: certs.clone(),
-        metrics: crate::proxy::metrics::Metrics::default(),
-        mark: crate::mesh::PacketMark::DEFAULT,
-        local: Default::default(),
-        pool: crate::proxy::pool::PoolConfig::default(),
-        dns: None,
-        trust_domain: "cluster.local".into(),
-    });
+    let ctx = context(state, certs.clone(), "cluster.local");
     let manager = ProxyManager::new(ctx);
     let info = WorkloadInfo {
         name: "client".into(),
@@ -88,16 +97,7 @@ async fn a_pod_served_from_its_handoff_has_the_configured_trust_domain() {
         Arc::new(TrustBundle::new(Vec::new(), &[])),
         CertOptions::new(Duration::from_secs(3600)),
     );
-    let ctx = Arc::new(ProxyContext {
-        state,
-        certs,
-        metrics: crate::proxy::metrics::Metrics::default(),
-        mark: crate::mesh::PacketMark::DEFAULT,
-        local: Default::default(),
-        pool: crate::proxy::pool::PoolConfig::default(),
-        dns: None,
-        trust_domain: "corp.example".into(),
-    });
+    let ctx = context(state, certs, "corp.example");
     let manager = ProxyManager::new(ctx);
     let info = WorkloadInfo {
         name: "late".into(),
@@ -118,16 +118,7 @@ async fn a_draining_manager_refuses_new_pods() {
         Arc::new(TrustBundle::new(Vec::new(), &[])),
         CertOptions::new(Duration::from_secs(3600)),
     );
-    let ctx = Arc::new(ProxyContext {
-        state,
-        certs,
-        metrics: crate::proxy::metrics::Metrics::default(),
-        mark: crate::mesh::PacketMark::DEFAULT,
-        local: Default::default(),
-        pool: crate::proxy::pool::PoolConfig::default(),
-        dns: None,
-        trust_domain: "cluster.local".into(),
-    });
+    let ctx = context(state, certs, "cluster.local");
     let manager = ProxyManager::new(ctx);
     let draining = manager.start_drain(Duration::from_secs(5));
     let info = WorkloadInfo {
@@ -240,16 +231,11 @@ async fn an_add_in_flight_when_the_drain_begins_is_not_served() {
         Arc::new(TrustBundle::new(vec![ca.ca.root_der()], &[])),
         CertOptions::new(Duration::from_secs(3600)),
     );
-    let ctx = Arc::new(ProxyContext {
-        state: crate::proxy::state::StateHandle::new(Default::default()),
-        certs: certs.clone(),
-        metrics: crate::proxy::metrics::Metrics::default(),
-        mark: crate::mesh::PacketMark::DEFAULT,
-        local: Default::default(),
-        pool: crate::proxy::pool::PoolConfig::default(),
-        dns: None,
-        trust_domain: "cluster.local".into(),
-    });
+    let ctx = context(
+        crate::proxy::state::StateHandle::new(Default::default()),
+        certs.clone(),
+        "cluster.local",
+    );
     let manager = ProxyManager::new(ctx);
     let info = WorkloadInfo {
         name: "late".into(),
@@ -294,16 +280,11 @@ async fn a_drain_deadline_beyond_any_instant_does_not_panic() {
         Arc::new(TrustBundle::new(Vec::new(), &[])),
         CertOptions::new(Duration::from_secs(3600)),
     );
-    let ctx = Arc::new(ProxyContext {
-        state: crate::proxy::state::StateHandle::new(Default::default()),
+    let ctx = context(
+        crate::proxy::state::StateHandle::new(Default::default()),
         certs,
-        metrics: crate::proxy::metrics::Metrics::default(),
-        mark: crate::mesh::PacketMark::DEFAULT,
-        local: Default::default(),
-        pool: crate::proxy::pool::PoolConfig::default(),
-        dns: None,
-        trust_domain: "cluster.local".into(),
-    });
+        "cluster.local",
+    );
     let draining = ProxyManager::new(ctx).start_drain(Duration::MAX);
     assert!(draining.deadline > Instant::now());
     assert_eq!(
