@@ -2,7 +2,7 @@
 //! and `ztnode proxy`, as istio-cni and ztunnel), in a lab node with pods attached through the real
 //! CNI chain. The server pod is added while no proxy is connected: its ADD fails closed, but the agent
 //! keeps it and the proxy, started afterwards, gets it from the snapshot. A killed and restarted
-//! proxy gets both pods again.
+//! proxy gets both pods again, also when it died in the middle of a stream (fail closed meanwhile).
 
 mod common;
 
@@ -423,6 +423,153 @@ fn a_late_workload_record_holds_up_no_add() {
         &[
             b"hello over hbone to port 8080",
             b"hello over hbone to port 8081",
+        ],
+    );
+}
+
+/// The proxy dies (SIGKILL) while a stream runs between two enrolled pods: the stream ends for the
+/// client instead of hanging or going on unencrypted, new connections fail while nobody serves the
+/// pods (their rules stay: fail closed), the agent keeps both pods, and a restarted proxy gets them
+/// from the snapshot and carries traffic over HBONE again. Nothing crosses the bridge in plaintext.
+#[test]
+fn a_proxy_killed_mid_stream_fails_closed_until_it_is_back() {
+    if !common::privileged("a_proxy_killed_mid_stream_fails_closed_until_it_is_back") {
+        return;
+    }
+    let prefix = common::prefix("e2k");
+    let run_dir = std::env::temp_dir().join(format!("ztnode-e2e-run-{prefix}"));
+    let _ = std::fs::remove_dir_all(&run_dir);
+    let _run_dir = common::RemoveOnDrop(run_dir.clone());
+    let lab = Lab::new(LabOptions {
+        prefix: prefix.clone(),
+        ztnode_binary: Some(env!("CARGO_BIN_EXE_ztnode").into()),
+        run_dir: run_dir.clone(),
+        subnet: "10.244.0.0/24".into(),
+        cni_version: "1.0.0".into(),
+    })
+    .expect("lab");
+    let server_ip: IpAddr = "10.244.0.2".parse().expect("ip");
+    let client_ip: IpAddr = "10.244.0.3".parse().expect("ip");
+    let config = lab.dir().join("local-config.yaml");
+    std::fs::write(
+        &config,
+        lab::local_config(
+            &prefix,
+            &[
+                ("client", "default", "alice", client_ip),
+                ("server", "default", "bob", server_ip),
+            ],
+        ),
+    )
+    .expect("write config");
+    let zds = run_dir.join("ztunnel.sock");
+    let (_agent, agent_log) = start_agent(&lab, &config, &run_dir, &zds);
+    let proxy = start_proxy(&lab, &config, &run_dir, &zds, lab.dir().join("proxy1.log"));
+    let server = lab.add_pod("server", "default").expect("server ADD");
+    let capture = common::capture::BridgeCapture::start(&lab, "proxy-killed");
+    let client = lab.add_pod("client", "default").expect("client ADD");
+    assert_eq!(
+        (server.ip, client.ip),
+        (server_ip, client_ip),
+        "host-local order"
+    );
+    let server_ns = Netns::open(&server.netns_path).expect("server netns");
+    let client_ns = Netns::open(&client.netns_path).expect("client netns");
+
+    // a long stream: the app echoes every chunk
+    let app = SocketAddr::new(server_ip, 8080);
+    let listener = Lab::listen_in(&server_ns, app).expect("listen");
+    let echo = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().expect("accept");
+        let mut buf = [0u8; 4096];
+        loop {
+            match s.read(&mut buf) {
+                Ok(0) | Err(_) => return,
+                Ok(n) => {
+                    if s.write_all(&buf[..n]).is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+    });
+    let mut stream = Lab::connect_from(&client_ns, app).expect("connect");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let chunk = b"stream chunk over hbone";
+    for _ in 0..5 {
+        stream.write_all(chunk).expect("write");
+        let mut back = [0u8; 23];
+        stream.read_exact(&mut back).expect("echo");
+        assert_eq!(&back, chunk);
+    }
+
+    // SIGKILL mid-stream: the client's stream ends (reset or EOF) within the timeout
+    proxy.kill();
+    let mut back = [0u8; 64];
+    match stream
+        .write_all(b"stream chunk after the kill")
+        .and_then(|()| stream.read(&mut back))
+    {
+        Ok(0) => {}
+        Err(e) => assert!(
+            !matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ),
+            "the stream neither ended nor answered in 10 s"
+        ),
+        Ok(n) => panic!("an answer came back after the proxy died: {:?}", &back[..n]),
+    }
+    drop(stream);
+    echo.join().expect("echo thread");
+
+    // nobody serves the pods: new connections fail, the rules stay, the agent keeps both pods
+    for (from, to, port) in [(&client_ns, server_ip, 8081), (&server_ns, client_ip, 8082)] {
+        let to = SocketAddr::new(to, port);
+        // refused, reset or answered with nothing: all fail closed
+        if let Ok(mut c) = Lab::connect_from(from, to) {
+            c.set_read_timeout(Some(Duration::from_secs(2)))
+                .expect("timeout");
+            let _ = c.write_all(b"secret while the proxy is down");
+            let mut buf = [0u8; 16];
+            assert_eq!(c.read(&mut buf).unwrap_or(0), 0, "an answer with no proxy");
+        }
+    }
+    for pod in [&server, &client] {
+        assert!(
+            ruleset(&pod.netns_name).contains("redirect to :15006"),
+            "{}: the rules stay while the proxy is down",
+            pod.name
+        );
+    }
+    let agent_text = log_text(&agent_log);
+    assert!(
+        !agent_text.contains("pod removed"),
+        "the agent must keep its pods:\n{agent_text}"
+    );
+
+    // back: the restarted proxy gets both pods and carries traffic again
+    let proxy = start_proxy(&lab, &config, &run_dir, &zds, lab.dir().join("proxy2.log"));
+    wait_log(
+        &agent_log,
+        &["snapshot sent", "pods=2"],
+        Duration::from_secs(5),
+    );
+    round_trip(
+        &client_ns,
+        &server_ns,
+        SocketAddr::new(server_ip, 8083),
+        client_ip,
+        &proxy.log,
+    );
+    capture.check(
+        &[client_ip, server_ip],
+        &[
+            b"stream chunk",
+            b"secret while the proxy is down",
+            b"hello over hbone to port 8083",
         ],
     );
 }

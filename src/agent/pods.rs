@@ -37,7 +37,7 @@ use crate::runtime::socket_file::SocketFile;
 use crate::zds::{WorkloadInfo, WorkloadRequest, ZdsError};
 
 pub use rules::{NftRules, RuleApplier};
-pub use store::{PodRecord, STATE_FILE, Store, StoreError};
+pub use store::{Damage, PodRecord, Recovered, STATE_FILE, Store, StoreError};
 
 /// Errors of the pod lifecycle (the plugin gets them as HTTP 500 text).
 #[derive(Debug, thiserror::Error)]
@@ -78,6 +78,15 @@ pub enum PodError {
     /// The persisted pod table could not be read or attached.
     #[error("pod table: {0}")]
     Store(#[from] StoreError),
+    /// The pod table could not be written (disk full on the run dir): the ADD is not done.
+    #[error("pod {pod}: cannot record the pod in the pod table: {source}")]
+    Persist {
+        /// `namespace/name`.
+        pod: String,
+        /// Cause.
+        #[source]
+        source: StoreError,
+    },
     /// The enrollment policy could not decide (e.g. the API server does not know the pod yet).
     #[error(transparent)]
     Policy(#[from] PolicyError),
@@ -283,10 +292,35 @@ impl PodManager {
         if let Err(other) = self.store.set(store.clone()) {
             return Err(StoreError::AlreadyAttached(other.path().to_owned()).into());
         }
-        let records = load(&store).await?.unwrap_or_else(|e| {
-            tracing::error!(error = %e, "cannot read the pod table, starting empty");
-            Vec::new()
-        });
+        let recoverer = store.clone();
+        let recovered = tokio::task::spawn_blocking(move || recoverer.recover())
+            .await
+            .map_err(|_| PodError::Task(store.path().display().to_string()))?;
+        // A torn file was moved aside: no second read below (a missing file reads as empty).
+        let mut torn = false;
+        let records = match recovered {
+            Ok(Recovered { pods, damage: None }) => pods,
+            Ok(Recovered {
+                pods,
+                damage: Some(Damage { error, kept }),
+            }) => {
+                let kept = kept.map_or_else(|| "not kept".to_owned(), |k| k.display().to_string());
+                tracing::error!(
+                    %error,
+                    recovered = pods.len(),
+                    kept,
+                    "the pod table is torn: the complete records are restored; a pod lost with the \
+                     rest keeps its rules (its traffic fails closed) until its ADD is repeated or, \
+                     in Kubernetes mode, the reconciler finds it"
+                );
+                torn = true;
+                pods
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "cannot read the pod table, starting empty");
+                Vec::new()
+            }
+        };
         let first: HashSet<String> = records.iter().map(|r| r.uid.clone()).collect();
         let mut report = RestoreReport::default();
         for rec in records {
@@ -295,7 +329,8 @@ impl PodManager {
         // An older agent may have written the table while this one restored it (an event it
         // was serving when this agent bound the socket): pods it added are restored too, pods it
         // removed are removed here as well.
-        if let Ok(again) = load(&store).await? {
+        let again = if torn { None } else { load(&store).await?.ok() };
+        if let Some(again) = again {
             let now: HashSet<String> = again.iter().map(|r| r.uid.clone()).collect();
             for rec in again {
                 if !first.contains(&rec.uid) {
@@ -311,7 +346,7 @@ impl PodManager {
             }
         }
         let snapshot = self.update(|_| ()).1;
-        self.persist(snapshot).await;
+        let _ = self.persist(snapshot).await;
         if let Err(e) = self.zds.send(WorkloadRequest::SnapshotSent).await {
             tracing::warn!(error = %e, "proxy did not take the end of the restored snapshot");
         }
@@ -406,12 +441,13 @@ impl PodManager {
         (r, snapshot)
     }
 
-    /// Writes a table snapshot to disk. A failure is logged: the pod flows have already happened
-    /// and must not be undone because the file could not be written.
-    async fn persist(&self, snapshot: Option<Snapshot>) {
+    /// Writes a table snapshot to disk. A failure is logged and returned; only an ADD fails on it
+    /// (an enrollment a restart could not rebuild must not be reported done): removals have
+    /// already happened and are not undone because the file could not be written.
+    async fn persist(&self, snapshot: Option<Snapshot>) -> Result<(), StoreError> {
         let (Some(store), Some((generation, records))) = (self.store.get().cloned(), snapshot)
         else {
-            return;
+            return Ok(());
         };
         let path = store.path().to_owned();
         let owner = self.owner.get().cloned();
@@ -424,7 +460,7 @@ impl PodManager {
             store.save(generation, records).map(|()| true)
         };
         match tokio::task::spawn_blocking(write).await {
-            Ok(Ok(true)) => {}
+            Ok(Ok(true)) => Ok(()),
             Ok(Ok(false)) => {
                 if !self
                     .superseded
@@ -432,9 +468,20 @@ impl PodManager {
                 {
                     tracing::info!(file = %path.display(), "plugin socket taken over by a newer agent: the pod table is its now, no longer written");
                 }
+                Ok(())
             }
-            Ok(Err(e)) => tracing::error!(error = %e, "persisting the pod table failed"),
-            Err(_) => tracing::error!(file = %path.display(), "pod table writer task failed"),
+            Ok(Err(e)) => {
+                tracing::error!(error = %e, "persisting the pod table failed");
+                Err(e)
+            }
+            Err(_) => {
+                tracing::error!(file = %path.display(), "pod table writer task failed");
+                Err(StoreError::Io {
+                    op: "write",
+                    path,
+                    source: std::io::Error::other("writer task failed"),
+                })
+            }
         }
     }
 
@@ -532,7 +579,14 @@ impl PodManager {
         let snapshot = self
             .update(|pods| pods.insert(uid.clone(), entry.clone()))
             .1;
-        self.persist(snapshot).await;
+        // Not recorded, not done: a restart could not bring the pod back. The rules stay (fail
+        // closed) and the pod stays pending, so the runtime's DEL or retried ADD finds it.
+        self.persist(snapshot)
+            .await
+            .map_err(|source| PodError::Persist {
+                pod: pod.clone(),
+                source,
+            })?;
         let sent = self
             .zds
             .send(WorkloadRequest::Add {
@@ -553,7 +607,14 @@ impl PodManager {
         entry.pending = false;
         let ips = entry.ips.clone();
         let snapshot = self.update(|pods| pods.insert(uid.clone(), entry)).1;
-        self.persist(snapshot).await;
+        // Served but not recorded as such: a restart would still restore it (it is stored
+        // pending), so the ADD fails only to have the runtime retry while the disk is full.
+        self.persist(snapshot)
+            .await
+            .map_err(|source| PodError::Persist {
+                pod: pod.clone(),
+                source,
+            })?;
         self.probe_set(&uid, ips, true).await;
         self.notify(&info);
         tracing::debug!(
@@ -587,7 +648,7 @@ impl PodManager {
             tracing::debug!(pod = %format!("{}/{}", ev.pod_namespace, ev.pod_name), "DEL for a pod we do not hold");
             return Ok(());
         };
-        self.persist(snapshot).await;
+        let _ = self.persist(snapshot).await;
         self.release(pod, true).await
     }
 
@@ -599,7 +660,7 @@ impl PodManager {
         let Some(pod) = found else {
             return Ok(());
         };
-        self.persist(snapshot).await;
+        let _ = self.persist(snapshot).await;
         self.release(pod, remove_rules).await
     }
 
@@ -628,7 +689,7 @@ impl PodManager {
                 }
             })
             .1;
-        self.persist(snapshot).await;
+        let _ = self.persist(snapshot).await;
         tracing::info!(pod = %name, %uid, "proxy took the pending pod");
         self.probe_set(uid, pod.ips.clone(), true).await;
         self.notify(&pod.info);
@@ -650,7 +711,7 @@ impl PodManager {
                 }
             })
             .1;
-        self.persist(snapshot).await;
+        let _ = self.persist(snapshot).await;
         tracing::info!(pod = %name, %uid, "redirection re-applied with the pod's new options");
         Ok(())
     }

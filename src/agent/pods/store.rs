@@ -3,9 +3,12 @@
 //! §3.2, §5 "Agent restart").
 //!
 //! Format: `{"version": 1, "pods": [PodRecord...]}`. Every write goes to `pods.json.tmp` (mode
-//! 0600), is synced, then renamed over `pods.json`, so a crash leaves the old or the new table,
-//! never a torn one. Writes carry a generation number; a write older than the last one is skipped,
-//! so concurrent ADD/DEL persist in table order.
+//! 0600), then is renamed over `pods.json`, so a crash leaves the old or the new table, never a
+//! torn one; a write that fails (disk full) removes its temp file and leaves the old table. Writes
+//! carry a generation number; a write older than the last one is skipped, so concurrent ADD/DEL
+//! persist in table order. A table torn anyway (a copy cut short, a file system without atomic
+//! rename) is read by [`Store::recover`]: the complete records are kept, the file is kept aside as
+//! `pods.json.torn`.
 
 use std::fs::{self, OpenOptions};
 use std::io::Write as _;
@@ -122,6 +125,24 @@ struct Document {
     pods: Vec<PodRecord>,
 }
 
+/// What [`Store::recover`] read.
+#[derive(Debug, Default)]
+pub struct Recovered {
+    /// The records read: all of them, or those complete before the damage.
+    pub pods: Vec<PodRecord>,
+    /// Set when the file did not parse: why, and where the original was kept.
+    pub damage: Option<Damage>,
+}
+
+/// A table file that did not parse as a whole.
+#[derive(Debug)]
+pub struct Damage {
+    /// The parse error of the whole file.
+    pub error: StoreError,
+    /// Where the file was moved (`pods.json.torn`), or `None` when it could not be moved.
+    pub kept: Option<PathBuf>,
+}
+
 /// The table file of one run dir.
 #[derive(Debug)]
 pub struct Store {
@@ -173,6 +194,27 @@ impl Store {
         Ok(doc.pods)
     }
 
+    /// Reads the table like [`Store::load`], but a file that does not parse is not lost: it is
+    /// moved to `pods.json.torn` (replacing an older one) and the records complete before the
+    /// damage are returned with it ([`Damage`]). Errors: [`StoreError::Io`] when the file cannot be
+    /// read, [`StoreError::Version`] for a whole file of another version. Blocking.
+    pub fn recover(&self) -> Result<Recovered, StoreError> {
+        match self.load() {
+            Ok(pods) => Ok(Recovered { pods, damage: None }),
+            Err(error @ StoreError::Parse { .. }) => {
+                let bytes = fs::read(&self.path).unwrap_or_default();
+                let pods = salvage(&bytes);
+                let torn = self.path.with_extension("json.torn");
+                let kept = fs::rename(&self.path, &torn).ok().map(|()| torn);
+                Ok(Recovered {
+                    pods,
+                    damage: Some(Damage { error, kept }),
+                })
+            }
+            Err(e) => Err(e),
+        }
+    }
+
     /// Writes `pods` as generation `generation` (atomic replace, mode 0600); skipped when a newer
     /// generation was already written. Creates the run dir if needed. Blocking.
     pub fn save(&self, generation: u64, pods: Vec<PodRecord>) -> Result<(), StoreError> {
@@ -221,13 +263,81 @@ impl Store {
         // The mode only applies to a new file; a leftover temp file gets it here.
         f.set_permissions(fs::Permissions::from_mode(MODE))
             .map_err(io("chmod", &tmp))?;
-        f.write_all(bytes).map_err(io("write", &tmp))?;
-        let meta = f.metadata().map_err(io("stat", &tmp))?;
+        let written = f.write_all(bytes).and_then(|()| f.metadata());
         drop(f);
+        let meta = match written {
+            Ok(m) => m,
+            Err(e) => {
+                // Disk full: the partial temp file would only hold the space.
+                let _ = fs::remove_file(&tmp);
+                return Err(io("write", &tmp)(e));
+            }
+        };
         // No fsync: the run dir is tmpfs on nodes (/var/run) and the table only has to survive an
         // agent restart, not a reboot (after a reboot the pods' netns are gone anyway). The rename
         // keeps readers from ever seeing a half-written file.
         fs::rename(&tmp, &self.path).map_err(io("rename", &tmp))?;
         Ok((meta.dev(), meta.ino()))
     }
+}
+
+/// The records of a table file cut short: every `PodRecord` complete before the damage, when the
+/// file starts as this version writes it (`{"version": 1, "pods": [`). Empty otherwise.
+fn salvage(bytes: &[u8]) -> Vec<PodRecord> {
+    let mut pods = Vec::new();
+    let Some(at) = find(bytes, b"\"pods\"") else {
+        return pods;
+    };
+    if !version_is_current(&bytes[..at]) {
+        return pods;
+    }
+    let mut rest = skip_ws(&bytes[at + b"\"pods\"".len()..]);
+    for token in [b':', b'['] {
+        match rest.split_first() {
+            Some((c, tail)) if *c == token => rest = skip_ws(tail),
+            _ => return pods,
+        }
+    }
+    loop {
+        rest = skip_ws(rest);
+        if let Some((b',', tail)) = rest.split_first() {
+            rest = tail;
+            continue;
+        }
+        let mut records = serde_json::Deserializer::from_slice(rest).into_iter::<PodRecord>();
+        match records.next() {
+            Some(Ok(rec)) => {
+                let used = records.byte_offset();
+                pods.push(rec);
+                rest = &rest[used..];
+            }
+            _ => return pods,
+        }
+    }
+}
+
+/// Whether `head` (the file before `"pods"`) is `{ "version": <VERSION>,` with any spacing.
+fn version_is_current(head: &[u8]) -> bool {
+    let Some(at) = find(head, b"\"version\"") else {
+        return false;
+    };
+    let rest = skip_ws(&head[at + b"\"version\"".len()..]);
+    let Some((b':', rest)) = rest.split_first() else {
+        return false;
+    };
+    let rest = skip_ws(rest);
+    let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+    std::str::from_utf8(&rest[..digits])
+        .ok()
+        .and_then(|d| d.parse::<u32>().ok())
+        == Some(VERSION)
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
+}
+
+fn skip_ws(bytes: &[u8]) -> &[u8] {
+    let n = bytes.iter().take_while(|b| b.is_ascii_whitespace()).count();
+    &bytes[n..]
 }

@@ -370,7 +370,7 @@ async fn an_agent_whose_socket_was_taken_over_stops_writing_the_table() {
 }
 
 #[tokio::test]
-async fn a_corrupt_table_starts_empty_and_is_replaced() {
+async fn a_corrupt_table_is_kept_aside_and_replaced_by_an_empty_one() {
     let dir = tempfile::tempdir().expect("tempdir");
     std::fs::write(dir.path().join(STATE_FILE), b"{not json").expect("write");
     let f = Fixture::new();
@@ -378,6 +378,81 @@ async fn a_corrupt_table_starts_empty_and_is_replaced() {
     assert_eq!(report, RestoreReport::default());
     assert_eq!(f.proxy(), ["snapshot"]);
     assert!(stored(dir.path()).is_empty(), "rewritten as an empty table");
+    assert_eq!(
+        std::fs::read(dir.path().join("pods.json.torn")).expect("kept aside"),
+        b"{not json"
+    );
+}
+
+#[tokio::test]
+async fn a_torn_table_restores_every_complete_record() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    write_table(dir.path(), 1, &["uid-a", "uid-b", "uid-c"]);
+    let path = dir.path().join(STATE_FILE);
+    let whole = std::fs::read(&path).expect("read");
+    // cut inside the third record (after its uid)
+    let cut = whole
+        .windows(b"uid-c".len())
+        .position(|w| w == b"uid-c")
+        .expect("third record")
+        + 8;
+    std::fs::write(&path, &whole[..cut]).expect("tear");
+    let f = Fixture::new();
+    let report = f.pods.restore(dir.path()).await.expect("restore");
+    assert_eq!(report.restored, 2, "{report:?}");
+    assert_eq!(f.proxy(), ["add uid-a", "add uid-b", "snapshot"]);
+    let uids: Vec<String> = stored(dir.path()).into_iter().map(|r| r.uid).collect();
+    assert_eq!(uids, ["uid-a", "uid-b"], "the table is whole again");
+    assert_eq!(
+        std::fs::read(dir.path().join("pods.json.torn")).expect("kept aside"),
+        &whole[..cut]
+    );
+    // a cut before the list, or another version, salvages nothing
+    for torn in [&whole[..10], &b"{\"version\": 2, \"pods\": ["[..]] {
+        std::fs::write(&path, torn).expect("tear");
+        let got = Store::new(dir.path()).recover().expect("recover");
+        assert!(got.pods.is_empty() && got.damage.is_some(), "{got:?}");
+    }
+}
+
+#[tokio::test]
+async fn an_add_the_table_cannot_record_fails_and_keeps_the_rules_for_its_del() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let f = Fixture::new();
+    f.pods.restore(dir.path()).await.expect("attach");
+    // the temp file's path taken by a directory: every write fails, as on a full disk
+    let tmp = dir.path().join("pods.json.tmp");
+    std::fs::create_dir(&tmp).expect("block the temp file");
+    let err = f
+        .pods
+        .add(add_event("a", "uid-a", "cid-a"))
+        .await
+        .expect_err("the ADD cannot be recorded");
+    assert!(matches!(err, PodError::Persist { .. }), "{err}");
+    assert!(err.to_string().contains("pod table"), "{err}");
+    assert_eq!(f.rules.calls(), ["apply"], "rules stay: fail closed");
+    assert!(
+        f.proxy().iter().all(|r| r != "add uid-a"),
+        "not handed to the proxy"
+    );
+    assert!(
+        f.pods
+            .enrolled()
+            .iter()
+            .any(|p| p.uid == "uid-a" && p.pending)
+    );
+    // the runtime's DEL removes the rules; once the disk has room, the retried ADD is recorded
+    f.pods
+        .del(del_event("a", "uid-a", "cid-a"))
+        .await
+        .expect("del");
+    assert_eq!(f.rules.calls(), ["apply", "remove"]);
+    std::fs::remove_dir(&tmp).expect("unblock");
+    f.pods
+        .add(add_event("a", "uid-a", "cid-a"))
+        .await
+        .expect("add once the table can be written");
+    assert_eq!(stored(dir.path()).len(), 1);
 }
 
 #[tokio::test]
