@@ -1,14 +1,17 @@
 //! The TLS 1.3 record layer outside rustls: record length parsing, `open` on arbitrary records
-//! (at arbitrary offsets), and records sealed from arbitrary plaintext opened back by a second
-//! key with the same secrets (content type, plaintext and sequence numbers must survive).
+//! (at arbitrary offsets), records sealed from arbitrary plaintext opened back by a second key
+//! with the same secrets (content type, plaintext and sequence numbers must survive), and the
+//! post-handshake messages (KeyUpdate, NewSessionTicket) and alerts received under the keys.
 //!
-//! Input: `[mode: u8]` then raw bytes (mode 0), or records of `[type: u8][len: u16 be][len
-//! bytes]` to seal (mode 1).
+//! Input: `[mode: u8]` then raw bytes (mode & 0xc0 == 0), records of `[type: u8][len: u16 be]
+//! [len bytes]` to seal (0x80), or record plaintexts of `[len: u8][len bytes]` whose bytes are
+//! added to the handshake buffer one record at a time, and read as alerts too (0x40).
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 use rustls::ConnectionTrafficSecrets;
 use rustls::crypto::cipher::{AeadKey, Iv};
+use ztnode::proxy::tls::message::{self, MAX_POST_HANDSHAKE, PostHandshake};
 use ztnode::proxy::tls::record::{MAX_PLAINTEXT, RecordKey, record_len};
 
 fn key(suite: u8) -> RecordKey {
@@ -26,7 +29,9 @@ fuzz_target!(|data: &[u8]| {
     let Some((mode, body)) = data.split_first() else {
         return;
     };
-    if mode & 0x80 == 0 {
+    if mode & 0xc0 == 0x40 {
+        post_handshake(*mode & 1 == 1, body);
+    } else if mode & 0x80 == 0 {
         // raw records as a peer could send them
         let mut rx = key(*mode);
         let mut buf = body.to_vec();
@@ -69,3 +74,32 @@ fuzz_target!(|data: &[u8]| {
         }
     }
 });
+
+/// Feeds record plaintexts to the handshake buffer as the stream does, taking whole messages off
+/// its front; checks what each message takes and that a KeyUpdate ends its record.
+fn post_handshake(client: bool, mut body: &[u8]) {
+    let mut buf: Vec<u8> = Vec::new();
+    while let [len, rest @ ..] = body {
+        let len = usize::from(*len).min(rest.len());
+        let (plain, next) = rest.split_at(len);
+        body = next;
+        let _ = message::alert(plain);
+        buf.extend_from_slice(plain);
+        loop {
+            match message::next_message(&buf, client) {
+                Ok(Some((msg, used))) => {
+                    assert!((4..=4 + MAX_POST_HANDSHAKE).contains(&used) && used <= buf.len());
+                    if let PostHandshake::KeyUpdate { .. } = msg {
+                        assert_eq!(used, buf.len(), "a KeyUpdate ends its record");
+                        assert_eq!(buf[0], message::KEY_UPDATE);
+                    } else {
+                        assert!(client, "only a client takes a NewSessionTicket");
+                    }
+                    buf.drain(..used);
+                }
+                Ok(None) => break,
+                Err(_) => return,
+            }
+        }
+    }
+}

@@ -24,6 +24,7 @@ use super::identity::{CertManager, Identity, IdentityError};
 
 mod handshake;
 mod kernel;
+pub mod message;
 pub mod record;
 pub mod stream;
 mod verify;

@@ -27,6 +27,7 @@ use rustls_pki_types::CertificateDer;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use super::kernel::Kernel;
+use super::message::{self, Alert, CLOSE_NOTIFY, KEY_UPDATE, MAX_POST_HANDSHAKE, PostHandshake};
 use super::record::{self, RecordError, RecordKey, content};
 
 /// Target size of the receive buffer: several records per `read`.
@@ -48,23 +49,16 @@ const RECORD_OVERHEAD: usize = record::HEADER_LEN + 1 + 16;
 /// and writing out proceed on both CPUs instead of in turn. About one HTTP/2 DATA frame of ours
 /// (`hbone::FRAME_SIZE`); small request/response exchanges do not reach it.
 const READ_YIELD_AFTER: usize = 1024 * 1024;
-/// Max size of a post-handshake message (NewSessionTicket, KeyUpdate).
-const MAX_POST_HANDSHAKE: usize = 64 * 1024;
 /// Records without application data (KeyUpdate, NewSessionTicket, user_canceled, empty data) a
 /// peer may send in a row; rustls and BoringSSL have similar limits.
 const MAX_EMPTY_RECORDS_IN_A_ROW: u8 = 32;
-/// Handshake message types (RFC 8446 §4).
-const NEW_SESSION_TICKET: u8 = 4;
-const KEY_UPDATE: u8 = 24;
 /// Alert descriptions (RFC 8446 §6).
-const CLOSE_NOTIFY: u8 = 0;
 const UNEXPECTED_MESSAGE: u8 = 10;
 const BAD_RECORD_MAC: u8 = 20;
 const RECORD_OVERFLOW: u8 = 22;
 const ILLEGAL_PARAMETER: u8 = 47;
 const DECODE_ERROR: u8 = 50;
 const INTERNAL_ERROR: u8 = 80;
-const USER_CANCELED: u8 = 90;
 
 /// The fatal alert a read failing with `e` sends (RFC 8446 §5.2, §6.2): none for socket errors,
 /// a peer that closed or the peer's own alert.
@@ -347,11 +341,9 @@ impl<IO> TlsStream<IO> {
                 self.handshake.extend_from_slice(plain);
                 self.on_handshake()?;
             }
-            content::ALERT => match plain {
-                [_, CLOSE_NOTIFY] => self.read_closed = true,
-                [_, USER_CANCELED] => {}
-                [_, desc] => return Err(StreamError::Alert(*desc)),
-                _ => return Err(StreamError::Malformed("alert")),
+            content::ALERT => match message::alert(plain)? {
+                Alert::CloseNotify => self.read_closed = true,
+                Alert::UserCanceled => {}
             },
             _ => return Err(StreamError::Unexpected("record content type")),
         }
@@ -433,40 +425,24 @@ impl<IO> TlsStream<IO> {
 
     /// Handles the whole post-handshake messages buffered in `self.handshake`.
     fn on_handshake(&mut self) -> Result<(), StreamError> {
-        while let [typ, a, b, c, rest @ ..] = self.handshake.as_slice() {
-            let len = usize::from(*a) << 16 | usize::from(*b) << 8 | usize::from(*c);
-            if len > MAX_POST_HANDSHAKE {
-                return Err(StreamError::HandshakeTooLarge(MAX_POST_HANDSHAKE));
-            }
-            if rest.len() < len {
-                return Ok(());
-            }
-            match (*typ, &rest[..len]) {
-                (NEW_SESSION_TICKET, _) if matches!(self.kernel, Kernel::Client(_)) => {
+        let client = matches!(self.kernel, Kernel::Client(_));
+        while let Some((msg, used)) = message::next_message(&self.handshake, client)? {
+            match msg {
+                PostHandshake::NewSessionTicket => {
                     self.tickets = self.tickets.saturating_add(1);
                 }
-                (KEY_UPDATE, [request @ (0 | 1)]) => {
-                    // KeyUpdate must end its record: the next record is under the new key.
-                    if rest.len() > len {
-                        return Err(StreamError::Unexpected("data after KeyUpdate"));
-                    }
-                    let request = *request;
+                PostHandshake::KeyUpdate { requested } => {
                     let (seq, secrets) = self.kernel.update_rx()?;
                     self.rx = RecordKey::new(seq, secrets)?;
                     self.rx_updates = self.rx_updates.saturating_add(1);
                     // one answer per burst of requests, and none after our close_notify
-                    if request == 1 && !self.answered && !self.close_sent {
+                    if requested && !self.answered && !self.close_sent {
                         self.send_key_update()?;
                         self.answered = true;
                     }
                 }
-                (KEY_UPDATE, [_]) => {
-                    return Err(StreamError::IllegalParameter("KeyUpdate request"));
-                }
-                (KEY_UPDATE, _) => return Err(StreamError::Malformed("KeyUpdate")),
-                _ => return Err(StreamError::Unexpected("post-handshake message")),
             }
-            self.handshake.drain(..4 + len);
+            self.handshake.drain(..used);
             if self.handshake.is_empty() {
                 self.handshake = Vec::new();
             }
