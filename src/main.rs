@@ -251,6 +251,13 @@ enum Cmd {
         /// Pushes the xds section times, in each of its two series (ACK, config_dump).
         #[arg(long, default_value_t = 20)]
         xds_pushes: usize,
+        /// Measure ztnode's proxy and this one (a ztunnel built with `--features testing`) side
+        /// by side, alternating, on the same agent and pods, instead of the sections.
+        #[arg(long)]
+        peer: Option<PathBuf>,
+        /// Rounds of `--peer` (each measures both proxies).
+        #[arg(long, default_value_t = 4)]
+        rounds: usize,
     },
     /// Check this node: CNI config, kernel features, in-pod rules, readiness, istiod, pods' UIDs
     /// and labels. One line per check; exit 1 on a failure, 2 on warnings only.
@@ -450,7 +457,11 @@ fn run(cmd: Cmd) -> anyhow::Result<i32> {
             xds_workloads,
             xds_policies,
             xds_pushes,
+            peer,
+            rounds,
         } => Ok(ztnode::lab::bench::run(ztnode::lab::bench::BenchOptions {
+            peer,
+            rounds,
             only,
             lab_prefix,
             xds_workloads,

@@ -9,11 +9,13 @@
 //! exec time of the `ztnode-cni` plugin in CNI ADD. Two sections build labs of their own: Kubernetes
 //! mode (`kube`: enrollment of running pods, ADD through the API server) and istiod (`xds`: push to
 //! ACK and to `/config_dump` with a large world, the RSS holding it). Prints a table with ratios
-//! (ztnode / direct) and writes the same figures as JSON. Benchmarks are not tests: nothing here asserts a timing.
+//! (ztnode / direct) and writes the same figures as JSON. With `--peer PATH` it measures ztnode's
+//! proxy and another (the real ztunnel) side by side instead ([`peer`]). Benchmarks are not tests: nothing here asserts a timing.
 
 mod kube;
 mod measure;
 mod options;
+mod peer;
 mod placement;
 mod report;
 mod sections;
@@ -40,6 +42,9 @@ pub fn run(opts: BenchOptions) -> i32 {
 fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
     let started = time::OffsetDateTime::now_utc();
     setup::preflight(opts)?;
+    if let Some(peer) = &opts.peer {
+        return peer::run(opts, peer);
+    }
     let mut figures = Figures::default();
     if opts.wants(Section::Kube) {
         kube::measure(opts, &mut figures)?;

@@ -25,7 +25,7 @@ pub(super) fn percentile(sorted: &[f64], p: f64) -> f64 {
 }
 
 /// Resident set size of the process `pid`, KiB.
-fn rss_kib(pid: u32) -> anyhow::Result<u64> {
+pub(super) fn rss_kib(pid: u32) -> anyhow::Result<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
     status
         .lines()
@@ -261,27 +261,49 @@ pub(super) fn latency(
 /// Connections per second from `client` to an echo server in `server` over `dur`: connect, one
 /// [`MSG`] round trip, close.
 pub(super) fn conn_rate(client: &Pod, server: &Pod, dur: Duration) -> anyhow::Result<f64> {
+    Ok(conn_rate_timed(client, server, dur)?.per_sec)
+}
+
+/// What [`conn_rate_timed`] measured.
+pub(super) struct ConnRate {
+    /// Connections per second.
+    pub(super) per_sec: f64,
+    /// Time of each connection (connect, round trip, close seen), ms, sorted.
+    pub(super) each_ms: Vec<f64>,
+}
+
+/// [`conn_rate`] with the time each connection took.
+pub(super) fn conn_rate_timed(
+    client: &Pod,
+    server: &Pod,
+    dur: Duration,
+) -> anyhow::Result<ConnRate> {
     let echo = echo_server(server, 7200, true)?;
     let addr = echo.addr;
     let ns = Netns::open(&client.netns_path)?;
     let buf = [9u8; MSG];
-    let (count, elapsed) = ns.run(move || -> std::io::Result<(u64, f64)> {
+    let (mut each_ms, elapsed) = ns.run(move || -> std::io::Result<(Vec<f64>, f64)> {
         let start = Instant::now();
-        let mut count = 0u64;
+        let mut each = Vec::new();
         let mut back = [0u8; MSG];
         while start.elapsed() < dur {
+            let t = Instant::now();
             let mut s = std::net::TcpStream::connect(addr)?;
             s.set_nodelay(true)?;
             s.write_all(&buf)?;
             s.read_exact(&mut back)?;
             let mut rest = [0u8; 1];
             let _ = s.read(&mut rest);
-            count += 1;
+            each.push(t.elapsed().as_secs_f64() * 1e3);
         }
-        Ok((count, start.elapsed().as_secs_f64()))
+        Ok((each, start.elapsed().as_secs_f64()))
     })??;
     drop(echo);
-    Ok(count as f64 / elapsed)
+    each_ms.sort_by(f64::total_cmp);
+    Ok(ConnRate {
+        per_sec: each_ms.len() as f64 / elapsed,
+        each_ms,
+    })
 }
 
 /// RSS of the node process while idle connections are held through the tunnel, KiB: after each

@@ -27,6 +27,11 @@ pub struct BenchOptions {
     pub xds_workloads: usize,
     /// The xDS section's world: authorization policies istiod serves.
     pub xds_policies: usize,
+    /// Another proxy (a ztunnel binary) to measure side by side with ztnode's instead of the
+    /// sections ([`super::peer`]).
+    pub peer: Option<PathBuf>,
+    /// Rounds of the side-by-side run, each measuring both proxies.
+    pub rounds: usize,
     /// Pushes timed by the xDS section in each of its two series (until the ACK, until
     /// `/config_dump` shows the change).
     pub xds_pushes: usize,

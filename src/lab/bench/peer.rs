@@ -1,0 +1,509 @@
+//! `ztnode bench --peer PATH`: ztnode's proxy and another proxy (the real ztunnel) side by side on
+//! the same lab, agent, rules and pods, only the proxy swapped.
+//!
+//! The lab holds the bench's four pods (`d-client`/`d-server` outside the mesh, `m-client`/
+//! `m-server` enrolled) and runs `ztnode agent`, which serves ZDS on `<run dir>/ztunnel.sock`. Each
+//! round starts one proxy in the node netns, waits until it serves both enrolled pods, measures,
+//! and stops it; the proxies alternate (ztnode, peer, ztnode, peer, ...), so both see the same
+//! spells of a VM whose speed drifts. ztnode runs as `ztnode proxy`; the peer as ztunnel is run
+//! standalone (`INPOD_UDS`, `LOCAL_XDS_PATH` with the same local config, `FAKE_CA=true`, no xDS
+//! or CA address, `NODE_NAME`, `PROXY_MODE=shared`): a ztunnel built with its `testing` feature.
+//!
+//! Per round and proxy: iperf3 throughput of 1 and 8 streams with the proxy's CPU time per GB
+//! carried, connections per second (connect + 1 KiB round trip + close) with the p99 time per
+//! connection, the 1 KiB round trip the mesh adds over the direct pair (p50, p99; all threads on
+//! one CPU, and free), and the proxy's RSS idle and per held idle connection. The report gives each
+//! figure's mean per proxy, the ratio ztnode / peer, and the issue's target for it; JSON too.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use serde_json::json;
+
+use super::measure::{self, conn_rate_timed, cpu_seconds, iperf, settle_rss};
+use super::options::BenchOptions;
+use super::placement::Placement;
+use crate::lab::node::{Lab, LabOptions, Pod, ProcessGuard, local_config};
+
+const SUBNET: &str = "10.251.0.0/16";
+
+/// Which proxy serves the pods in a round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Proxy {
+    Ztnode,
+    Peer,
+}
+
+impl Proxy {
+    fn name(self) -> &'static str {
+        match self {
+            Proxy::Ztnode => "ztnode",
+            Proxy::Peer => "peer",
+        }
+    }
+}
+
+/// One figure: its label, JSON key, unit, whether more is better, the target ratio ztnode / peer
+/// (from the performance issue), and the samples of each proxy, one per round.
+struct Figure {
+    label: &'static str,
+    key: &'static str,
+    unit: &'static str,
+    higher_is_better: bool,
+    target: Option<f64>,
+    ztnode: Vec<f64>,
+    peer: Vec<f64>,
+}
+
+impl Figure {
+    fn new(
+        label: &'static str,
+        key: &'static str,
+        unit: &'static str,
+        higher_is_better: bool,
+        target: Option<f64>,
+    ) -> Figure {
+        Figure {
+            label,
+            key,
+            unit,
+            higher_is_better,
+            target,
+            ztnode: Vec::new(),
+            peer: Vec::new(),
+        }
+    }
+
+    fn push(&mut self, proxy: Proxy, v: f64) {
+        match proxy {
+            Proxy::Ztnode => self.ztnode.push(v),
+            Proxy::Peer => self.peer.push(v),
+        }
+    }
+
+    /// ztnode's mean over the peer's (0 when the peer's is 0).
+    fn ratio(&self) -> f64 {
+        let p = mean(&self.peer);
+        if p == 0.0 {
+            0.0
+        } else {
+            mean(&self.ztnode) / p
+        }
+    }
+
+    /// Whether the ratio meets the target (`None` without a target).
+    fn met(&self) -> Option<bool> {
+        let t = self.target?;
+        let r = self.ratio();
+        Some(if self.higher_is_better {
+            r >= t
+        } else {
+            r <= t
+        })
+    }
+}
+
+/// The mean of `v`; 0 when empty.
+fn mean(v: &[f64]) -> f64 {
+    if v.is_empty() {
+        0.0
+    } else {
+        v.iter().sum::<f64>() / v.len() as f64
+    }
+}
+
+/// The figures in report order (indices used by [`measure_round`]).
+fn figures() -> Vec<Figure> {
+    vec![
+        Figure::new(
+            "throughput 1 stream",
+            "throughput_1_gbps",
+            "Gbit/s",
+            true,
+            Some(1.5),
+        ),
+        Figure::new(
+            "throughput 8 streams",
+            "throughput_8_gbps",
+            "Gbit/s",
+            true,
+            Some(1.5),
+        ),
+        Figure::new(
+            "proxy CPU per GB, 1 stream",
+            "cpu_s_per_gb_1",
+            "s",
+            false,
+            Some(0.7),
+        ),
+        Figure::new(
+            "proxy CPU per GB, 8 streams",
+            "cpu_s_per_gb_8",
+            "s",
+            false,
+            Some(0.7),
+        ),
+        Figure::new(
+            "connect + 1 KiB RTT + close",
+            "conn_per_sec",
+            "conn/s",
+            true,
+            Some(1.5),
+        ),
+        Figure::new(
+            "  p99 per connection",
+            "conn_p99_ms",
+            "ms",
+            false,
+            Some(1.0),
+        ),
+        Figure::new(
+            "added RTT p50, one CPU",
+            "added_rtt_p50_one_cpu_us",
+            "µs",
+            false,
+            Some(0.8),
+        ),
+        Figure::new(
+            "added RTT p99, one CPU",
+            "added_rtt_p99_one_cpu_us",
+            "µs",
+            false,
+            Some(0.8),
+        ),
+        Figure::new(
+            "added RTT p50, two CPUs",
+            "added_rtt_p50_us",
+            "µs",
+            false,
+            None,
+        ),
+        Figure::new(
+            "added RTT p99, two CPUs",
+            "added_rtt_p99_us",
+            "µs",
+            false,
+            None,
+        ),
+        Figure::new(
+            "proxy RSS idle, 2 pods",
+            "rss_idle_mib",
+            "MiB",
+            false,
+            Some(0.5),
+        ),
+        Figure::new(
+            "proxy RSS per idle connection",
+            "rss_per_idle_conn_kib",
+            "KiB",
+            false,
+            Some(0.5),
+        ),
+    ]
+}
+
+/// Runs the side-by-side bench against the proxy at `peer`.
+pub(super) fn run(opts: &BenchOptions, peer: &Path) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        peer.is_file(),
+        "--peer {}: no such file (a ztunnel built with `--features testing`)",
+        peer.display()
+    );
+    let exe = std::env::current_exe()?;
+    let prefix = opts.lab_prefix.as_str();
+    let base = std::env::temp_dir().join(format!("ztnode-lab-{prefix}"));
+    let run_dir = base.join("run");
+    let _ = std::fs::remove_dir_all(&run_dir);
+    let lab = Lab::new(LabOptions {
+        prefix: prefix.into(),
+        ztnode_binary: Some(exe.clone()),
+        run_dir: run_dir.clone(),
+        subnet: SUBNET.into(),
+        cni_version: "1.0.0".into(),
+    })?;
+    let ip = |n: u8| std::net::IpAddr::from([10, 251, 0, n]);
+    let config = lab.dir().join("local-config.yaml");
+    std::fs::write(
+        &config,
+        local_config(
+            lab.node_name(),
+            &[
+                ("m-client", "bench", "m-client", ip(4)),
+                ("m-server", "bench", "m-server", ip(5)),
+            ],
+        ),
+    )?;
+    let zds = run_dir.join("ztunnel.sock");
+    let lab_ctx = Ctx {
+        lab: &lab,
+        exe: &exe,
+        peer,
+        config: &config,
+        run_dir: &run_dir,
+        zds: &zds,
+    };
+    let _agent = lab_ctx.start_agent()?;
+    // A proxy must take the enrolled pods' ADDs.
+    let mut running = Some((Proxy::Ztnode, lab_ctx.start(Proxy::Ztnode)?));
+    let pods = ["d-client", "d-server", "m-client", "m-server"]
+        .map(|n| lab.add_pod(n, "bench"))
+        .into_iter()
+        .collect::<Result<Vec<Pod>, _>>()?;
+    let pods: [Pod; 4] = pods.try_into().map_err(|_| anyhow::anyhow!("four pods"))?;
+    anyhow::ensure!(
+        pods[2].ip == ip(4) && pods[3].ip == ip(5),
+        "unexpected pod IPs"
+    );
+    let mut figs = figures();
+    let rounds = opts.rounds.max(1);
+    for round in 0..rounds {
+        for proxy in [Proxy::Ztnode, Proxy::Peer] {
+            let process = match running.take() {
+                Some((p, process)) if p == proxy => process,
+                other => {
+                    if let Some((_, old)) = other {
+                        stop(old);
+                    }
+                    lab_ctx.start(proxy)?
+                }
+            };
+            wait_serving(&pods)
+                .with_context(|| format!("{} does not serve the pods", proxy.name()))?;
+            eprintln!("bench: round {}/{rounds}, {}", round + 1, proxy.name());
+            measure_round(opts, &pods, process.0.id(), proxy, &mut figs)?;
+            running = Some((proxy, process));
+        }
+    }
+    if let Some((_, p)) = running.take() {
+        stop(p);
+    }
+    print(&figs, rounds, peer);
+    write_json(opts, &figs, rounds, peer)
+}
+
+/// What starting a process of the lab needs.
+struct Ctx<'a> {
+    lab: &'a Lab,
+    exe: &'a Path,
+    peer: &'a Path,
+    config: &'a Path,
+    run_dir: &'a Path,
+    zds: &'a Path,
+}
+
+impl Ctx<'_> {
+    /// `ztnode agent` serving ZDS on `zds`, once its plugin socket is up.
+    fn start_agent(&self) -> anyhow::Result<ProcessGuard> {
+        let log = self.lab.dir().join("agent.log");
+        let mut cmd = Command::new(self.exe);
+        cmd.arg("agent")
+            .arg("--config")
+            .arg(self.config)
+            .arg("--run-dir")
+            .arg(self.run_dir)
+            .arg("--no-install")
+            .env("ZTUNNEL_UDS_ADDRESS", self.zds)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log)?);
+        let agent = ProcessGuard(self.lab.spawn_in_node(cmd)?);
+        let socket = crate::podevent::plugin_socket_path(self.run_dir);
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while !(socket.exists() && self.zds.exists()) {
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "ztnode agent did not start; see {}",
+                log.display()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(agent)
+    }
+
+    /// Starts `proxy` in the node netns, connected to the agent's ZDS socket.
+    fn start(&self, proxy: Proxy) -> anyhow::Result<ProcessGuard> {
+        let log = self.lab.dir().join(format!("{}.log", proxy.name()));
+        let mut cmd = match proxy {
+            Proxy::Ztnode => {
+                let mut c = Command::new(self.exe);
+                c.arg("proxy")
+                    .arg("--config")
+                    .arg(self.config)
+                    .arg("--run-dir")
+                    .arg(self.run_dir);
+                c
+            }
+            Proxy::Peer => {
+                let mut c = Command::new(self.peer);
+                c.env("LOCAL_XDS_PATH", self.config)
+                    .env("FAKE_CA", "true")
+                    .env("XDS_ADDRESS", "")
+                    .env("CA_ADDRESS", "")
+                    .env("PROXY_MODE", "shared")
+                    .env("NODE_NAME", self.lab.node_name());
+                c
+            }
+        };
+        cmd.env("INPOD_UDS", self.zds)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log)?);
+        Ok(ProcessGuard(self.lab.spawn_in_node(cmd)?))
+    }
+}
+
+/// Stops a proxy (SIGTERM; SIGKILL after 3 s) and waits until it is gone, so its in-pod
+/// listeners are closed before the next proxy binds its own.
+fn stop(process: ProcessGuard) {
+    drop(process);
+}
+
+/// Waits until both enrolled pods have an HBONE listener and a connection through the mesh
+/// completes (up to 30 s).
+fn wait_serving(pods: &[Pod; 4]) -> anyhow::Result<()> {
+    let [_, _, m_client, m_server] = pods;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let listening = [m_client, m_server].iter().all(|p| {
+            Lab::exec_in(&p.netns_name, "ss")
+                .args(["-ltnH", "sport", "=", ":15008"])
+                .output()
+                .is_ok_and(|o| !o.stdout.is_empty())
+        });
+        if listening
+            && conn_rate_timed(m_client, m_server, Duration::from_millis(300))
+                .is_ok_and(|r| !r.each_ms.is_empty())
+        {
+            return Ok(());
+        }
+        anyhow::ensure!(Instant::now() < deadline, "not serving after 30 s");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Measures every figure once with `proxy` (process `pid`) serving the pods.
+fn measure_round(
+    opts: &BenchOptions,
+    pods: &[Pod; 4],
+    pid: u32,
+    proxy: Proxy,
+    figs: &mut [Figure],
+) -> anyhow::Result<()> {
+    let [d_client, d_server, m_client, m_server] = pods;
+    let secs = opts.duration.as_secs().max(1);
+    for (i, streams) in [(0usize, 1usize), (1, 8)] {
+        let cpu = cpu_seconds(pid)?;
+        let (gbps, bytes) = iperf(m_client, m_server, streams, secs)?;
+        let cpu = cpu_seconds(pid)? - cpu;
+        figs[i].push(proxy, gbps);
+        figs[i + 2].push(
+            proxy,
+            if bytes > 0.0 {
+                cpu / (bytes / 1e9)
+            } else {
+                0.0
+            },
+        );
+    }
+    let rate = conn_rate_timed(m_client, m_server, Duration::from_secs(secs))?;
+    figs[4].push(proxy, rate.per_sec);
+    figs[5].push(proxy, measure::percentile(&rate.each_ms, 0.99));
+    for (i, placement) in [(6usize, Placement::OneCpu), (8, Placement::Free)] {
+        let l = measure::latency(
+            [d_client, d_server, m_client, m_server],
+            opts.round_trips,
+            7100,
+            placement,
+            pid,
+        )?;
+        figs[i].push(proxy, l.mesh_p50 - l.direct_p50);
+        figs[i + 1].push(proxy, l.mesh_p99 - l.direct_p99);
+    }
+    figs[10].push(proxy, settle_rss(pid)? as f64 / 1024.0);
+    let idle = measure::idle_connections(m_client, m_server, opts.idle_conns, pid)?;
+    figs[11].push(proxy, idle.per_conn(opts.idle_conns));
+    Ok(())
+}
+
+fn print(figs: &[Figure], rounds: usize, peer: &Path) {
+    println!(
+        "\nztnode bench --peer {} ({rounds} rounds, proxies alternating; means)",
+        peer.display()
+    );
+    println!(
+        "{:<34} {:>10} {:>10} {:>8} {:>8}  unit",
+        "figure", "ztnode", "peer", "ratio", "target"
+    );
+    for f in figs {
+        let target = match (f.target, f.met()) {
+            (Some(t), Some(true)) => {
+                format!("{}{t} ok", if f.higher_is_better { ">=" } else { "<=" })
+            }
+            (Some(t), _) => format!("{}{t} no", if f.higher_is_better { ">=" } else { "<=" }),
+            _ => "-".into(),
+        };
+        println!(
+            "{:<34} {:>10.2} {:>10.2} {:>7.2}x {:>8}  {}",
+            f.label,
+            mean(&f.ztnode),
+            mean(&f.peer),
+            f.ratio(),
+            target,
+            f.unit
+        );
+    }
+}
+
+fn write_json(
+    opts: &BenchOptions,
+    figs: &[Figure],
+    rounds: usize,
+    peer: &Path,
+) -> anyhow::Result<()> {
+    let report = json!({
+        "peer": peer.display().to_string(),
+        "rounds": rounds,
+        "duration_secs": opts.duration.as_secs(),
+        "round_trips": opts.round_trips,
+        "idle_conns": opts.idle_conns,
+        "figures": figs.iter().map(|f| json!({
+            "key": f.key,
+            "name": f.label.trim(),
+            "unit": f.unit,
+            "ztnode": f.ztnode,
+            "peer": f.peer,
+            "ztnode_mean": mean(&f.ztnode),
+            "peer_mean": mean(&f.peer),
+            "ratio": f.ratio(),
+            "target": f.target,
+            "met": f.met(),
+        })).collect::<Vec<_>>(),
+    });
+    std::fs::write(&opts.json, serde_json::to_vec_pretty(&report)?)?;
+    println!("\nJSON written to {}", opts.json.display());
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ratios_and_targets_follow_the_direction_of_the_figure() {
+        let mut faster = Figure::new("t", "t", "Gbit/s", true, Some(1.5));
+        for (z, p) in [(9.0, 6.0), (10.0, 6.0)] {
+            faster.push(Proxy::Ztnode, z);
+            faster.push(Proxy::Peer, p);
+        }
+        assert!((faster.ratio() - 9.5 / 6.0).abs() < 1e-9);
+        assert_eq!(faster.met(), Some(true));
+        let mut cpu = Figure::new("c", "c", "s", false, Some(0.7));
+        cpu.push(Proxy::Ztnode, 1.4);
+        cpu.push(Proxy::Peer, 1.6);
+        assert_eq!(cpu.met(), Some(false), "0.875 is over 0.7");
+        let empty = Figure::new("e", "e", "s", false, None);
+        assert_eq!((empty.ratio(), empty.met()), (0.0, None));
+    }
+}
