@@ -1,7 +1,7 @@
 //! End to end with Istio's control plane: two lab nodes (two node netns joined by a link, pods
 //! through the real CNI chain on each), one `ztnode node` per node, both fed by one fake istiod
 //! (delta xDS + CA) and sharing no CA dir. Pods on different nodes talk over HBONE with
-//! certificates from istiod's CA.
+//! certificates from istiod's CA, and keep talking through two minutes without istiod.
 
 mod common;
 
@@ -10,7 +10,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use common::istiod::TwoNodes;
-use common::node::echo_once;
+use common::node::{echo_once, serve_echo, try_round_trip};
 use ztnode::lab::Lab;
 use ztnode::netns::Netns;
 
@@ -82,34 +82,6 @@ fn pods_on_two_nodes_talk_over_hbone_with_certificates_from_istiods_ca() {
             "response {r} not ACKed"
         );
     }
-}
-
-/// Echoes every connection on `addr` inside `ns` for the rest of the test process.
-fn serve_echo(ns: &Netns, addr: SocketAddr) {
-    let listener = Lab::listen_in(ns, addr).expect("listen");
-    std::thread::spawn(move || {
-        for s in listener.incoming() {
-            let Ok(mut s) = s else { continue };
-            std::thread::spawn(move || {
-                let mut buf = Vec::new();
-                if s.read_to_end(&mut buf).is_ok() {
-                    let _ = s.write_all(&buf);
-                }
-            });
-        }
-    });
-}
-
-/// One round trip to `to` from `from`: the echo, or `None` when the connection fails or closes
-/// without answering.
-fn try_round_trip(from: &Netns, to: SocketAddr, msg: &[u8]) -> Option<Vec<u8>> {
-    let mut c = Lab::connect_from(from, to).ok()?;
-    c.set_read_timeout(Some(Duration::from_millis(500))).ok()?;
-    c.write_all(msg).ok()?;
-    c.shutdown(std::net::Shutdown::Write).ok()?;
-    let mut back = Vec::new();
-    c.read_to_end(&mut back).ok()?;
-    (!back.is_empty()).then_some(back)
 }
 
 /// Polls `check` every 20 ms until it holds; panics naming `what` after `within`. Returns the time
@@ -548,4 +520,185 @@ fn short_lived_intermediate_signed_certificates_rotate_without_a_failed_connecti
         assert!(issued(id) >= 4, "{id}: {} certificates", issued(id));
     }
     assert!(made > 50, "{made} connections");
+}
+
+/// `GET /healthz/ready` on node `n`: the status code.
+fn readiness(n: &common::istiod::IstiodNode) -> u16 {
+    let ready: SocketAddr = "127.0.0.1:15021".parse().expect("addr");
+    ztnode::lab::http::request(n.lab.node(), ready, "GET", "/healthz/ready", None)
+        .map(|(code, _)| code)
+        .unwrap_or(0)
+}
+
+/// Over two minutes istiod is unreachable two ways: partitioned (packets dropped, istiod still
+/// up), then down (connections refused). Pods that have certificates keep talking over HBONE, on a
+/// long-lived connection and on new ones, from the cached workloads and certificates; both nodes
+/// stay ready; a new pod, whose certificate cannot be fetched, fails closed naming the CA. Once
+/// istiod is back, both nodes reconnect within the backoff's cap, keep what they held, and a push
+/// takes effect. No plaintext crosses the client's bridge meanwhile.
+#[test]
+fn two_minutes_without_istiod_keep_known_pods_talking_and_new_ones_closed() {
+    if !common::privileged("two_minutes_without_istiod_keep_known_pods_talking_and_new_ones_closed")
+    {
+        return;
+    }
+    let extra = "- name: carol\n  namespace: default\n  serviceAccount: carol\n  workloadIps: [10.61.2.3]\n  protocol: HBONE\n  node: NODE_B\n";
+    let t = TwoNodes::start_with_world("xo", |_, b| extra.replace("NODE_B", b), &[]);
+    let server_ns = Netns::open(&t.server.netns_path).expect("server netns");
+    let client_ns = Netns::open(&t.client.netns_path).expect("client netns");
+    let app = SocketAddr::new(t.server.ip, 8080);
+    serve_echo(&server_ns, app);
+    let mut secrets: Vec<Vec<u8>> = Vec::new();
+    let mut long = Lab::connect_from(&client_ns, app).expect("long-lived connection");
+    long.set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    let exchange = |long: &mut std::net::TcpStream, what: &str, secrets: &mut Vec<Vec<u8>>| {
+        let msg = format!("{what}: long-lived payload {}", secrets.len()).into_bytes();
+        long.write_all(&msg)
+            .expect("write on the long-lived connection");
+        let mut back = vec![0u8; msg.len()];
+        long.read_exact(&mut back)
+            .unwrap_or_else(|e| panic!("{what}: the long-lived connection: {e}"));
+        assert_eq!(back, msg, "{what}");
+        secrets.push(msg);
+    };
+    exchange(&mut long, "before", &mut secrets);
+    let capture = common::capture::BridgeCapture::start(&t.b.lab, "istiod-outage");
+    assert_eq!((readiness(&t.a), readiness(&t.b)), (200, 200));
+
+    let ca = t.istiod.grpc.to_string();
+    let phase = |t: &TwoNodes,
+                 long: &mut std::net::TcpStream,
+                 name: &str,
+                 length: Duration,
+                 secrets: &mut Vec<Vec<u8>>| {
+        let start = std::time::Instant::now();
+        let mut add_failed = false;
+        while start.elapsed() < length {
+            let msg = format!("{name}: payload {}", secrets.len()).into_bytes();
+            assert_eq!(
+                try_round_trip(&client_ns, app, &msg).as_deref(),
+                Some(msg.as_slice()),
+                "{name}: a new connection after {:?}",
+                start.elapsed()
+            );
+            secrets.push(msg);
+            exchange(long, name, secrets);
+            assert_eq!(
+                (readiness(&t.a), readiness(&t.b)),
+                (200, 200),
+                "{name}: a node is not ready"
+            );
+            if !add_failed && start.elapsed() > Duration::from_secs(10) {
+                let err =
+                    t.b.lab
+                        .add_pod("carol", "default")
+                        .expect_err("a pod without a certificate must not start")
+                        .to_string();
+                assert!(
+                    err.contains("CA") && err.contains(&ca),
+                    "{name}: the error must name the CA {ca}: {err}"
+                );
+                eprintln!("{name}: ADD failed with {err}");
+                add_failed = true;
+            }
+            std::thread::sleep(Duration::from_secs(5));
+        }
+        assert!(add_failed, "{name}: no ADD tried");
+    };
+    let mut t = t;
+    let port = t.istiod.grpc.port();
+    let partition =
+        common::outage::Partition::start(&[t.a.lab.node_name(), t.b.lab.node_name()], port);
+    phase(
+        &t,
+        &mut long,
+        "partitioned",
+        Duration::from_secs(60),
+        &mut secrets,
+    );
+    t.istiod.stop();
+    partition.heal();
+    phase(&t, &mut long, "down", Duration::from_secs(65), &mut secrets);
+
+    // istiod is back: both nodes reconnect within the backoff's cap (15 s), with what they hold
+    let before = t
+        .istiod
+        .events(None)
+        .expect("events")
+        .iter()
+        .filter_map(|e| e["seq"].as_u64())
+        .max()
+        .unwrap_or(0);
+    t.istiod.restart().expect("restart istiod");
+    let back = std::time::Instant::now();
+    let node_name = |n: &common::istiod::IstiodNode| {
+        n.env
+            .iter()
+            .find(|(k, _)| k == "NODE_NAME")
+            .map(|(_, v)| v.clone())
+            .expect("NODE_NAME")
+    };
+    let names = [node_name(&t.a), node_name(&t.b)];
+    let took = within("both nodes reconnected", Duration::from_secs(30), || {
+        let nodes = t.istiod.events(Some("xds_node")).expect("events");
+        names.iter().all(|n| {
+            nodes.iter().any(|e| {
+                e["seq"].as_u64().is_some_and(|s| s > before)
+                    && e["node"]["metadata"]["NODE_NAME"] == *n
+            })
+        })
+    });
+    eprintln!("both nodes reconnected {took:?} after istiod came back");
+    let carol_uid = "Kubernetes//v1/Pod/default/carol".to_owned();
+    assert!(dumped_uids(&t.b).contains(&carol_uid), "state kept");
+    exchange(&mut long, "after", &mut secrets);
+    // a push after the return takes effect, on new connections and on the long-lived one
+    let deny = serde_json::json!({"policies": [{
+        "name": "deny-alice", "namespace": "default", "scope": "Namespace", "action": "Deny",
+        "rules": [[[{"principals": [{"Exact": "cluster.local/ns/default/sa/alice"}]}]]]
+    }]});
+    t.istiod
+        .ok("POST", "/apply", Some(&deny))
+        .expect("apply policy");
+    let took = within("DENY in effect", Duration::from_secs(5), || {
+        try_round_trip(&client_ns, app, b"x").is_none()
+    });
+    eprintln!(
+        "a push took effect {took:?} after the reconnect ({:?} after istiod came back)",
+        back.elapsed()
+    );
+    let mut buf = [0u8; 64];
+    let closed = match long.write_all(b"denied") {
+        Err(_) => true,
+        Ok(()) => match long.read(&mut buf) {
+            Ok(n) => n == 0,
+            Err(e) => !matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ),
+        },
+    };
+    assert!(closed, "the DENY must close the long-lived connection");
+    t.istiod
+        .ok(
+            "POST",
+            "/delete",
+            Some(&serde_json::json!({"policies": ["default/deny-alice"]})),
+        )
+        .expect("delete policy");
+    within("DENY removed", Duration::from_secs(5), || {
+        try_round_trip(&client_ns, app, b"x").is_some()
+    });
+    // the pod that could not start gets its certificate now and talks over HBONE
+    let carol = t.b.lab.add_pod("carol", "default").expect("carol starts");
+    let carol_ns = Netns::open(&carol.netns_path).expect("carol netns");
+    let msg = b"carol after the outage".to_vec();
+    assert_eq!(
+        try_round_trip(&carol_ns, app, &msg).as_deref(),
+        Some(msg.as_slice())
+    );
+    secrets.push(msg);
+    let secrets: Vec<&[u8]> = secrets.iter().map(Vec::as_slice).collect();
+    capture.check(&[t.server.ip, t.client.ip, carol.ip], &secrets);
 }

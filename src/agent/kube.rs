@@ -6,6 +6,7 @@
 //! node. Watches use kube-rs reflectors with bookmarks and relist on 410 Gone; while the API server
 //! is unreachable they retry with backoff and the last known state stays in the stores.
 
+pub mod http;
 pub mod placement;
 pub mod policy;
 pub mod reconcile;
@@ -85,7 +86,8 @@ impl KubeAccess {
     }
 }
 
-/// A client for `access`. The client is lazy: nothing is sent until the first request.
+/// A client for `access` ([`http::client`]: keepalive, no retry layer). The client is lazy:
+/// nothing is sent until the first request.
 pub async fn client(access: &KubeAccess) -> Result<kube::Client, KubeError> {
     let config = match access {
         KubeAccess::Kubeconfig(path) => {
@@ -102,7 +104,7 @@ pub async fn client(access: &KubeAccess) -> Result<kube::Client, KubeError> {
         }
         KubeAccess::InCluster => kube::Config::incluster().map_err(KubeError::InCluster)?,
     };
-    kube::Client::try_from(config).map_err(KubeError::Client)
+    http::client(config).map_err(KubeError::Client)
 }
 
 #[cfg(test)]

@@ -3,8 +3,9 @@
 //!
 //! One short-lived current-thread tokio runtime per call; the kubeconfig is the one the installer
 //! wrote (`crate::agent::install::PluginKube`). Both GETs run concurrently under one total timeout.
-//! There is no retry: an unreachable API server fails ADD (fail closed) and the runtime retries the
-//! sandbox, as Istio does with `enable_ambient_detection_retry`.
+//! There is no retry (the client is the agent's, [`crate::agent::kube::http::client`], without
+//! kube-rs' retry layer): an unreachable or failing API server fails ADD at once (fail closed) and
+//! the runtime retries the sandbox, as Istio does with `enable_ambient_detection_retry`.
 
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
@@ -117,7 +118,7 @@ async fn get_both(
         config.root_cert = Some(Vec::new());
     }
     let server = config.cluster_url.to_string();
-    let client = kube::Client::try_from(config).map_err(|source| KubeError::Client {
+    let client = crate::agent::kube::http::client(config).map_err(|source| KubeError::Client {
         path: path.to_owned(),
         source,
     })?;

@@ -118,7 +118,7 @@ pub enum PluginError {
         netns: String,
     },
     /// ADD could not hand the pod to the agent (fail closed; the runtime retries the sandbox).
-    #[error("ztnode-cni ADD for pod {pod} failed to contact the node agent at {}: {source}", .socket.display())]
+    #[error("ztnode-cni ADD for pod {pod}: the node agent at {} did not enroll it: {source}", .socket.display())]
     AgentAdd {
         /// `namespace/name`.
         pod: String,

@@ -210,12 +210,14 @@ pub enum IdentityError {
     },
     /// The CA stayed unreachable while [`CertManager::ensure`] waited.
     #[error(
-        "no certificate for {identity} after {waited:?}{}",
-        last_error.as_ref().map(|e| format!(": {e}")).unwrap_or_default()
+        "no certificate for {identity} from the CA {ca} within {waited:?}: {}",
+        last_error.as_ref().map_or_else(|| "no answer yet".to_owned(), |e| e.to_string())
     )]
     FetchTimeout {
         /// The identity.
         identity: Identity,
+        /// The CA ([`caclient::RemoteCa::address`]).
+        ca: String,
         /// How long it waited.
         waited: Duration,
         /// The last (transient) failure, if any.

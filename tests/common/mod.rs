@@ -25,6 +25,7 @@ pub mod istiod;
 pub mod kube;
 pub mod lifecycle;
 pub mod node;
+pub mod outage;
 
 /// Connects from inside `ns` to `to`; `None` when the connection is reset before connect returns
 /// (a proxy refusing it fast, with a RST, may do so before the client's connect completes).

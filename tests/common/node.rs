@@ -175,3 +175,41 @@ pub fn answer_once(
         (buf, peer)
     })
 }
+
+/// Echoes every connection on `addr` inside `ns`, chunk by chunk until the peer half-closes, for
+/// the rest of the test process.
+pub fn serve_echo(ns: &ztnode::netns::Netns, addr: std::net::SocketAddr) {
+    use std::io::{Read, Write};
+    let listener = Lab::listen_in(ns, addr).expect("listen");
+    std::thread::spawn(move || {
+        for s in listener.incoming() {
+            let Ok(mut s) = s else { continue };
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 16 * 1024];
+                while let Ok(n @ 1..) = s.read(&mut buf) {
+                    if s.write_all(&buf[..n]).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+}
+
+/// One round trip to `to` from inside `from` (connect, send `msg`, half-close, read to EOF): the
+/// echo, or `None` when the connection fails or closes without answering (within 500 ms of
+/// silence).
+pub fn try_round_trip(
+    from: &ztnode::netns::Netns,
+    to: std::net::SocketAddr,
+    msg: &[u8],
+) -> Option<Vec<u8>> {
+    use std::io::{Read, Write};
+    let mut c = Lab::connect_from(from, to).ok()?;
+    c.set_read_timeout(Some(Duration::from_millis(500))).ok()?;
+    c.write_all(msg).ok()?;
+    c.shutdown(std::net::Shutdown::Write).ok()?;
+    let mut back = Vec::new();
+    c.read_to_end(&mut back).ok()?;
+    (!back.is_empty()).then_some(back)
+}

@@ -69,6 +69,9 @@ pub struct Issued {
 pub trait RemoteCa: Send + Sync + 'static {
     /// Obtains a new certificate for `id`.
     fn fetch<'a>(&'a self, id: &'a Identity) -> BoxFuture<'a, Result<Issued, CaClientError>>;
+
+    /// Where the CA is, as errors name it (Istio's CA: its URL).
+    fn address(&self) -> String;
 }
 
 /// Why a certificate could not be obtained from the CA.
@@ -288,6 +291,10 @@ impl CaClient {
 impl RemoteCa for CaClient {
     fn fetch<'a>(&'a self, id: &'a Identity) -> BoxFuture<'a, Result<Issued, CaClientError>> {
         Box::pin(self.create_certificate(id))
+    }
+
+    fn address(&self) -> String {
+        self.endpoint.address.to_string()
     }
 }
 

@@ -332,7 +332,7 @@ impl CertManager {
             let entry = entries.entry(id.clone()).or_insert_with(Entry::new);
             entry.refs += 1;
             if entry.worker.is_none() {
-                let task = tokio::spawn(refresh_loop(self.me.clone(), ca, id.clone()));
+                let task = tokio::spawn(refresh_loop(self.me.clone(), ca.clone(), id.clone()));
                 entry.worker = Some(task.abort_handle());
             }
             if let Some(cert) = entry.valid_at(now) {
@@ -370,6 +370,7 @@ impl CertManager {
                     self.release(id);
                     return Err(IdentityError::FetchTimeout {
                         identity: id.clone(),
+                        ca: ca.address(),
                         waited: self.opts.ensure_timeout,
                         last_error,
                     });

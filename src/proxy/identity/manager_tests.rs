@@ -84,6 +84,10 @@ impl RemoteCa for FakeCa {
             })
         })
     }
+
+    fn address(&self) -> String {
+        "https://fake-ca:15012".into()
+    }
 }
 
 fn unavailable() -> Result<(), CaClientError> {
@@ -256,7 +260,34 @@ async fn ensure_waits_through_outages_until_its_timeout() {
         "{err}"
     );
     assert!(err.to_string().contains("UNAVAILABLE"), "{err}");
+    assert!(err.to_string().contains("https://fake-ca:15012"), "{err}");
     assert_eq!(mgr.holders(&id("g")), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_ca_that_never_answers_is_named_when_ensure_gives_up() {
+    // a partition: the first call hangs past ENSURE_TIMEOUT, no failure is recorded yet
+    let clock = tokio_clock();
+    let mut fake = FakeCa::new(clock.clone(), Duration::from_secs(3600));
+    Arc::get_mut(&mut fake).unwrap().delay = Duration::from_secs(30);
+    let mgr = remote(&fake, clock);
+    let err = mgr.ensure(&id("h")).await.unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            IdentityError::FetchTimeout {
+                last_error: None,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let text = err.to_string();
+    assert!(
+        text.contains("from the CA https://fake-ca:15012 within 4s: no answer yet"),
+        "{text}"
+    );
+    assert_eq!(mgr.holders(&id("h")), 0);
 }
 
 #[tokio::test(start_paused = true)]

@@ -16,6 +16,10 @@ impl RemoteCa for Refusing {
             })
         })
     }
+
+    fn address(&self) -> String {
+        "https://fake-ca:15012".into()
+    }
 }
 
 /// A proxy context over `state` and `certs` with the defaults, trust domain `trust_domain`.
@@ -85,6 +89,10 @@ impl RemoteCa for Recording {
                 message: "recorded".into(),
             })
         })
+    }
+
+    fn address(&self) -> String {
+        "https://fake-ca:15012".into()
     }
 }
 
@@ -198,6 +206,10 @@ impl RemoteCa for Gated {
                 roots: vec![self.ca.root_der()],
             })
         })
+    }
+
+    fn address(&self) -> String {
+        "https://fake-ca:15012".into()
     }
 }
 
