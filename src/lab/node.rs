@@ -537,14 +537,14 @@ const LISTEN_BACKLOG: i32 = 4096;
 
 /// Local config YAML (ztunnel format) for pods `(name, namespace, service account, ip)` on `node`,
 /// all with protocol HBONE, the pod name as workload and canonical name, revision `latest` (what
-/// the telemetry labels show).
+/// the telemetry labels show) and no services (`services: {}`, which ztunnel requires).
 pub fn local_config(node: &str, pods: &[(&str, &str, &str, std::net::IpAddr)]) -> String {
     let mut y = String::from("workloads:\n");
     for (name, ns, sa, ip) in pods {
         y.push_str(&format!(
             "- uid: cluster1//v1/Pod/{ns}/{name}\n  name: {name}\n  namespace: {ns}\n  serviceAccount: {sa}\n  \
              workloadIps: [\"{ip}\"]\n  protocol: HBONE\n  node: {node}\n  workloadName: {name}\n  \
-             canonicalName: {name}\n  canonicalRevision: latest\n"
+             canonicalName: {name}\n  canonicalRevision: latest\n  services: {{}}\n"
         ));
     }
     y

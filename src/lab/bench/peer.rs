@@ -269,8 +269,16 @@ pub(super) fn run(opts: &BenchOptions, peer: &Path) -> anyhow::Result<()> {
                     lab_ctx.start(proxy)?
                 }
             };
-            wait_serving(&pods)
-                .with_context(|| format!("{} does not serve the pods", proxy.name()))?;
+            wait_serving(&pods).with_context(|| {
+                let log = lab.dir().join(format!("{}.log", proxy.name()));
+                let text = std::fs::read_to_string(&log).unwrap_or_default();
+                let tail: Vec<&str> = text.lines().rev().take(20).collect();
+                format!(
+                    "{} does not serve the pods; the end of its log:\n{}",
+                    proxy.name(),
+                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                )
+            })?;
             eprintln!("bench: round {}/{rounds}, {}", round + 1, proxy.name());
             measure_round(opts, &pods, process.0.id(), proxy, &mut figs)?;
             running = Some((proxy, process));
