@@ -273,6 +273,13 @@ fn a_node_killed_in_the_middle_of_adds_leaves_each_pod_enrolled_or_failed_and_re
         );
     }
 
+    // what the dead node left: every pod in its table has its rules (or its sandbox is gone)
+    for (uid, netns) in table(&run_dir) {
+        assert!(
+            !Path::new(&netns).exists() || has_rules(netns_name(&netns)),
+            "pod {uid} is in the killed node's table without its rules"
+        );
+    }
     // while it is down: enrolled pods' traffic fails closed
     fails_closed(&client, &server, 8081, b"secret while the node is dead");
 
@@ -501,7 +508,6 @@ fn a_full_run_dir_fails_the_add_clearly_and_loses_nothing() {
         },
     )
     .expect("lab node with client and server");
-    let _unmount = unmount;
     let [client, server] = mesh.pods.clone();
     let capture = BridgeCapture::start(&mesh.lab, "full");
     round_trip(&client, &server, 8080, b"before the disk is full").expect("traffic before");

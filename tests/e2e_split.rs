@@ -528,7 +528,14 @@ fn a_proxy_killed_mid_stream_fails_closed_until_it_is_back() {
     // nobody serves the pods: new connections fail, the rules stay, the agent keeps both pods
     for (from, to, port) in [(&client_ns, server_ip, 8081), (&server_ns, client_ip, 8082)] {
         let to = SocketAddr::new(to, port);
-        // refused, reset or answered with nothing: all fail closed
+        // refused, reset or answered with nothing, and the app never sees it: fail closed
+        let to_ns = if to.ip() == server_ip {
+            &server_ns
+        } else {
+            &client_ns
+        };
+        let app = Lab::listen_in(to_ns, to).expect("listen");
+        app.set_nonblocking(true).expect("nonblocking");
         if let Ok(mut c) = Lab::connect_from(from, to) {
             c.set_read_timeout(Some(Duration::from_secs(2)))
                 .expect("timeout");
@@ -536,6 +543,8 @@ fn a_proxy_killed_mid_stream_fails_closed_until_it_is_back() {
             let mut buf = [0u8; 16];
             assert_eq!(c.read(&mut buf).unwrap_or(0), 0, "an answer with no proxy");
         }
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(app.accept().is_err(), "{to} reached the app with no proxy");
     }
     for pod in [&server, &client] {
         assert!(

@@ -285,8 +285,8 @@ impl PodManager {
     /// rewrites the file. Call once at start, after binding the plugin socket (see
     /// [`PodManager::set_owner`]) and before serving it.
     ///
-    /// Per-pod failures are logged and counted, not returned. An unreadable or unparsable file is
-    /// logged and treated as empty. Errors: [`StoreError::AlreadyAttached`] on a second call.
+    /// Per-pod failures are logged and counted, not returned. An unreadable file is logged and
+    /// treated as empty; a torn one gives its complete records ([`Store::recover`]). Errors: [`StoreError::AlreadyAttached`] on a second call.
     pub async fn restore(&self, run_dir: &Path) -> Result<RestoreReport, PodError> {
         let store = Arc::new(Store::new(run_dir));
         if let Err(other) = self.store.set(store.clone()) {
@@ -296,8 +296,6 @@ impl PodManager {
         let recovered = tokio::task::spawn_blocking(move || recoverer.recover())
             .await
             .map_err(|_| PodError::Task(store.path().display().to_string()))?;
-        // A torn file was moved aside: no second read below (a missing file reads as empty).
-        let mut torn = false;
         let records = match recovered {
             Ok(Recovered { pods, damage: None }) => pods,
             Ok(Recovered {
@@ -313,7 +311,6 @@ impl PodManager {
                      rest keeps its rules (its traffic fails closed) until its ADD is repeated or, \
                      in Kubernetes mode, the reconciler finds it"
                 );
-                torn = true;
                 pods
             }
             Err(e) => {
@@ -329,8 +326,8 @@ impl PodManager {
         // An older agent may have written the table while this one restored it (an event it
         // was serving when this agent bound the socket): pods it added are restored too, pods it
         // removed are removed here as well.
-        let again = if torn { None } else { load(&store).await?.ok() };
-        if let Some(again) = again {
+        // (a torn file fails this read and is left to the save below)
+        if let Ok(again) = load(&store).await? {
             let now: HashSet<String> = again.iter().map(|r| r.uid.clone()).collect();
             for rec in again {
                 if !first.contains(&rec.uid) {
@@ -607,14 +604,8 @@ impl PodManager {
         entry.pending = false;
         let ips = entry.ips.clone();
         let snapshot = self.update(|pods| pods.insert(uid.clone(), entry)).1;
-        // Served but not recorded as such: a restart would still restore it (it is stored
-        // pending), so the ADD fails only to have the runtime retry while the disk is full.
-        self.persist(snapshot)
-            .await
-            .map_err(|source| PodError::Persist {
-                pod: pod.clone(),
-                source,
-            })?;
+        // A failure is logged: the pod is on disk as pending, which a restart restores as well.
+        let _ = self.persist(snapshot).await;
         self.probe_set(&uid, ips, true).await;
         self.notify(&info);
         tracing::debug!(
@@ -664,13 +655,23 @@ impl PodManager {
         self.release(pod, remove_rules).await
     }
 
-    /// Sends the Add of a pending pod to the proxy again; on success the pod is no longer
-    /// pending. Errors: [`PodError::NotEnrolled`], [`PodError::Proxy`].
+    /// Sends the Add of a pending pod to the proxy again, once the table on disk holds it; on
+    /// success the pod is no longer pending. Errors: [`PodError::NotEnrolled`],
+    /// [`PodError::Persist`] (not sent), [`PodError::Proxy`].
     pub async fn retry_proxy(&self, uid: &str) -> Result<(), PodError> {
         let Some(pod) = self.table().pods.get(uid).cloned() else {
             return Err(PodError::NotEnrolled(uid.to_owned()));
         };
         let name = format!("{}/{}", pod.info.namespace, pod.info.name);
+        // Never served unless recorded: a pod whose ADD failed on a full disk stays pending until
+        // the table holds it.
+        let snapshot = self.update(|_| ()).1;
+        self.persist(snapshot)
+            .await
+            .map_err(|source| PodError::Persist {
+                pod: name.clone(),
+                source,
+            })?;
         self.zds
             .send(WorkloadRequest::Add {
                 uid: uid.to_owned(),

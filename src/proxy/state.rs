@@ -347,7 +347,9 @@ impl ProxyState {
             st.workloads.push(w);
         }
 
-        let mut vip_owner: HashMap<IpAddr, usize> = HashMap::new();
+        // the service holding each VIP: index and key (the index may be the service being read,
+        // which is not in `st.services` yet, when one service lists a VIP twice)
+        let mut vip_owner: HashMap<IpAddr, (usize, String)> = HashMap::new();
         let mut key_owner: HashMap<String, usize> = HashMap::new();
         for (i, ls) in cfg.services.iter().enumerate() {
             let s = Arc::new(Service::from_local(ls));
@@ -360,14 +362,14 @@ impl ProxyState {
                 })?;
             }
             for (_, vip) in &s.vips {
-                if let Some(&j) = vip_owner.get(vip) {
+                if let Some((j, first)) = vip_owner.get(vip) {
                     conflict(ConfigError::DuplicateVip {
                         vip: *vip,
-                        first: format!("services[{j}] ({})", st.services[j].key()),
+                        first: format!("services[{j}] ({first})"),
                         second: format!("services[{i}] ({key})"),
                     })?;
                 }
-                vip_owner.insert(*vip, i);
+                vip_owner.insert(*vip, (i, key.clone()));
                 st.by_vip.insert(*vip, s.clone());
             }
             key_owner.insert(key.clone(), i);

@@ -19,8 +19,11 @@
 //!   with [`crate::backoff::RECONCILE_RETRY`], a failed ADD lookup by the runtime's retry.
 //!
 //! The connect timeout is [`CONNECT_TIMEOUT`] instead of kube-rs' 30 s, so an attempt that started
-//! during a partition does not hold the next one back for long once it heals. A kubeconfig
-//! `proxy-url` is refused, as kube-rs without its proxy features refuses it.
+//! during a partition does not hold the next one back for long once it heals; TCP connect plus TLS
+//! handshake together get [`HANDSHAKE_TIMEOUT`] (kube-rs bounds both with its connect timeout), so
+//! an endpoint that accepts TCP and stalls TLS cannot hold a watch. A proxy (a kubeconfig
+//! `proxy-url`, or `HTTPS_PROXY` in the environment, which kube-rs reads into the config) is
+//! refused, as kube-rs without its proxy features refuses it.
 
 use std::time::Duration;
 
@@ -29,6 +32,8 @@ use kube::client::ConfigExt;
 
 /// TCP connect timeout (kube-rs: 30 s; ztunnel's to istiod: 5 s).
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// TCP connect plus TLS handshake.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Silence on a connection before the first keepalive probe.
 pub const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
 /// Time between keepalive probes.
@@ -49,7 +54,14 @@ pub fn client(config: kube::Config) -> Result<kube::Client, kube::Error> {
         // kube-rs reports the proxy it cannot use (no proxy features are built in)
         return kube::Client::try_from(config);
     }
-    let https = config.rustls_https_connector_with_connector(connector())?;
+    // boxed: hyper's connector futures must be `Unpin`, a timeout's is not
+    let https =
+        tower::ServiceBuilder::new()
+            .map_future(Box::pin)
+            .service(tower::timeout::Timeout::new(
+                config.rustls_https_connector_with_connector(connector())?,
+                HANDSHAKE_TIMEOUT,
+            ));
     let hyper = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
         .build(https);
     let service = tower::ServiceBuilder::new()
@@ -166,6 +178,34 @@ mod tests {
         let ticks = u64::from_str_radix(&timer[3..], 16).expect("hex ticks");
         assert!(ticks <= 1000, "keepalive in {ticks} ticks");
         call.abort();
+        server.abort();
+    }
+
+    #[tokio::test]
+    async fn a_tls_handshake_that_stalls_fails_within_the_handshake_timeout() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        // TCP is accepted, the ClientHello is never answered
+        let server = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((s, _)) = listener.accept().await {
+                held.push(s);
+            }
+        });
+        let mut config = kube::Config::new(format!("https://{addr}").parse().expect("url"));
+        config.accept_invalid_certs = true;
+        let pods: kube::Api<Pod> =
+            kube::Api::namespaced(client(config).expect("client"), "default");
+        let started = std::time::Instant::now();
+        let res = tokio::time::timeout(HANDSHAKE_TIMEOUT * 2, pods.get("p")).await;
+        assert!(
+            matches!(res, Ok(Err(_))),
+            "the call must fail, not hang: {:?} after {:?}",
+            res.map(|r| r.map(|_| ())),
+            started.elapsed()
+        );
         server.abort();
     }
 }

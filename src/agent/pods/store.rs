@@ -7,8 +7,8 @@
 //! torn one; a write that fails (disk full) removes its temp file and leaves the old table. Writes
 //! carry a generation number; a write older than the last one is skipped, so concurrent ADD/DEL
 //! persist in table order. A table torn anyway (a copy cut short, a file system without atomic
-//! rename) is read by [`Store::recover`]: the complete records are kept, the file is kept aside as
-//! `pods.json.torn`.
+//! rename) is read by [`Store::recover`]: the complete records are kept, the file is copied aside
+//! as `pods.json.torn`.
 
 use std::fs::{self, OpenOptions};
 use std::io::Write as _;
@@ -139,7 +139,7 @@ pub struct Recovered {
 pub struct Damage {
     /// The parse error of the whole file.
     pub error: StoreError,
-    /// Where the file was moved (`pods.json.torn`), or `None` when it could not be moved.
+    /// Where the file was copied (`pods.json.torn`), or `None` when it could not be copied.
     pub kept: Option<PathBuf>,
 }
 
@@ -195,8 +195,8 @@ impl Store {
     }
 
     /// Reads the table like [`Store::load`], but a file that does not parse is not lost: it is
-    /// moved to `pods.json.torn` (replacing an older one) and the records complete before the
-    /// damage are returned with it ([`Damage`]). Errors: [`StoreError::Io`] when the file cannot be
+    /// copied to `pods.json.torn` (replacing an older one) and the records complete before the
+    /// damage are returned with it ([`Damage`]); the next [`Store::save`] replaces the file. Errors: [`StoreError::Io`] when the file cannot be
     /// read, [`StoreError::Version`] for a whole file of another version. Blocking.
     pub fn recover(&self) -> Result<Recovered, StoreError> {
         match self.load() {
@@ -204,8 +204,10 @@ impl Store {
             Err(error @ StoreError::Parse { .. }) => {
                 let bytes = fs::read(&self.path).unwrap_or_default();
                 let pods = salvage(&bytes);
+                // a copy: the torn file stays in place until a whole table replaces it, so a
+                // failed write now (disk full) loses nothing for the next start either
                 let torn = self.path.with_extension("json.torn");
-                let kept = fs::rename(&self.path, &torn).ok().map(|()| torn);
+                let kept = fs::copy(&self.path, &torn).ok().map(|_| torn);
                 Ok(Recovered {
                     pods,
                     damage: Some(Damage { error, kept }),
@@ -261,22 +263,27 @@ impl Store {
             .open(&tmp)
             .map_err(io("create", &tmp))?;
         // The mode only applies to a new file; a leftover temp file gets it here.
-        f.set_permissions(fs::Permissions::from_mode(MODE))
-            .map_err(io("chmod", &tmp))?;
-        let written = f.write_all(bytes).and_then(|()| f.metadata());
+        let written = f
+            .set_permissions(fs::Permissions::from_mode(MODE))
+            .map_err(io("chmod", &tmp))
+            .and_then(|()| {
+                f.write_all(bytes)
+                    .and_then(|()| f.metadata())
+                    .map_err(io("write", &tmp))
+            });
         drop(f);
-        let meta = match written {
-            Ok(m) => m,
-            Err(e) => {
-                // Disk full: the partial temp file would only hold the space.
-                let _ = fs::remove_file(&tmp);
-                return Err(io("write", &tmp)(e));
-            }
-        };
+        // Disk full: a partial temp file would only hold the space.
+        let meta = written.inspect_err(|_| {
+            let _ = fs::remove_file(&tmp);
+        })?;
         // No fsync: the run dir is tmpfs on nodes (/var/run) and the table only has to survive an
         // agent restart, not a reboot (after a reboot the pods' netns are gone anyway). The rename
         // keeps readers from ever seeing a half-written file.
-        fs::rename(&tmp, &self.path).map_err(io("rename", &tmp))?;
+        fs::rename(&tmp, &self.path)
+            .map_err(io("rename", &tmp))
+            .inspect_err(|_| {
+                let _ = fs::remove_file(&tmp);
+            })?;
         Ok((meta.dev(), meta.ino()))
     }
 }

@@ -441,6 +441,13 @@ async fn an_add_the_table_cannot_record_fails_and_keeps_the_rules_for_its_del() 
             .iter()
             .any(|p| p.uid == "uid-a" && p.pending)
     );
+    // the pending-pod retry does not serve it either while it cannot be recorded
+    let retry = f.pods.retry_proxy("uid-a").await.expect_err("not recorded");
+    assert!(matches!(retry, PodError::Persist { .. }), "{retry}");
+    assert!(
+        f.proxy().iter().all(|r| r != "add uid-a"),
+        "not handed to the proxy"
+    );
     // the runtime's DEL removes the rules; once the disk has room, the retried ADD is recorded
     f.pods
         .del(del_event("a", "uid-a", "cid-a"))

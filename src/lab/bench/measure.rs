@@ -14,6 +14,8 @@ use crate::netns::Netns;
 
 /// Bytes of one request and of its echo.
 const MSG: usize = 1024;
+/// Longest a connection of [`conn_rate_timed`] may wait for connect, a write or a read.
+const IO_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The `p` quantile (0 to 1) of `sorted`, nearest rank; 0 when empty.
 pub(super) fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -288,8 +290,11 @@ pub(super) fn conn_rate_timed(
         let mut back = [0u8; MSG];
         while start.elapsed() < dur {
             let t = Instant::now();
-            let mut s = std::net::TcpStream::connect(addr)?;
+            let mut s = std::net::TcpStream::connect_timeout(&addr, IO_TIMEOUT)?;
             s.set_nodelay(true)?;
+            // a proxy that holds the connection fails the figure instead of hanging the bench
+            s.set_read_timeout(Some(IO_TIMEOUT))?;
+            s.set_write_timeout(Some(IO_TIMEOUT))?;
             s.write_all(&buf)?;
             s.read_exact(&mut back)?;
             let mut rest = [0u8; 1];

@@ -146,6 +146,15 @@ fn other_duplicates_are_rejected() {
     .unwrap_err();
     assert!(matches!(e, ConfigError::DuplicateVip { .. }), "{e}");
     assert!(e.to_string().contains("services[1] (ns/b.example)"), "{e}");
+    // one service listing a VIP twice (found by the local_config fuzz target: the lenient build
+    // indexed the service before it was stored)
+    let twice = "services:\n- name: a\n  namespace: ns\n  hostname: a.example\n  vips: [\"/10.96.0.1\", \"/10.96.0.1\"]\n";
+    let e = state(twice).unwrap_err();
+    assert!(e.to_string().contains("services[0] (ns/a.example)"), "{e}");
+    let cfg = crate::proxy::config::parse_local_config(twice).expect("parse");
+    let (lenient, conflicts) = ProxyState::from_config_lenient(&cfg);
+    assert_eq!(conflicts.len(), 1, "{conflicts:?}");
+    assert_eq!(lenient.services.len(), 1);
     let policy =
         |ns: &str| format!("- {{name: p, namespace: {ns}, scope: Namespace, action: Deny}}\n");
     let e = state(&format!("policies:\n{}{}", policy("ns"), policy("ns"))).unwrap_err();
