@@ -18,9 +18,10 @@ mod placement;
 mod report;
 mod sections;
 mod setup;
+mod soak;
 mod xds;
 
-pub use options::{BenchOptions, DEFAULT_LAB_PREFIX, Section};
+pub use options::{BenchOptions, DEFAULT_LAB_PREFIX, Section, SoakOptions};
 
 use report::{Figures, Machine};
 
@@ -40,6 +41,13 @@ pub fn run(opts: BenchOptions) -> i32 {
 fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
     let started = time::OffsetDateTime::now_utc();
     setup::preflight(opts)?;
+    if let Some(soak) = &opts.soak {
+        anyhow::ensure!(
+            soak::run(opts, soak)?,
+            "the soak failed (the verdict above)"
+        );
+        return Ok(());
+    }
     let mut figures = Figures::default();
     if opts.wants(Section::Kube) {
         kube::measure(opts, &mut figures)?;
