@@ -40,7 +40,7 @@ pub fn run(opts: BenchOptions) -> i32 {
 /// selected sections, the report. The lab goes away when `bed` drops, after the node stopped.
 fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
     let started = time::OffsetDateTime::now_utc();
-    setup::preflight(opts)?;
+    let _lock = setup::preflight(opts)?;
     if let Some(soak) = &opts.soak {
         anyhow::ensure!(
             soak::run(opts, soak)?,

@@ -215,7 +215,7 @@ fn print_header(soak: &SoakOptions, machine: &Machine) {
         soak.sample
     );
     println!(
-        "(fds: the least of 5 readings 50 ms apart; sockets: istio_tcp_sockets_open; proxies: \
+        "(fds: the least of 20 readings over a second; sockets: istio_tcp_sockets_open; proxies: \
          workload_manager_active_proxy_count; blocks: 64 KiB echoes of the long streams)"
     );
     println!("{}", machine.describe());

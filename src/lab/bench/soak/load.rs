@@ -77,13 +77,18 @@ impl Tally {
         self.keep(why);
     }
 
+    /// Keeps `why` (and prints it) while fewer than [`KEPT_REASONS`] are kept; later ones are only
+    /// counted, so a run that goes wrong does not flood the terminal.
     fn keep(&self, why: String) {
         let line = format!("{:.1} s: {why}", self.started.elapsed().as_secs_f64());
-        eprintln!("soak: {line}");
         if let Ok(mut r) = self.reasons.lock()
             && r.len() < KEPT_REASONS
         {
+            eprintln!("soak: {line}");
             r.push(line);
+            if r.len() == KEPT_REASONS {
+                eprintln!("soak: further failures are only counted");
+            }
         }
     }
 

@@ -52,11 +52,14 @@ pub(super) struct ProcessReading {
     pub(super) threads: u64,
 }
 
-/// Readings of the fd count [`read_process`] takes the least of: connections in flight come and
-/// go within milliseconds, a leaked descriptor stays in every reading.
-const FD_READINGS: usize = 5;
+/// Readings of the fd count [`read_process`] takes the least of, 50 ms apart. Connections in
+/// flight come and go within milliseconds, and each pod's stock of ready sockets
+/// (`proxy::socket::STOCK_TARGET`, refilled in batches once half of it is taken) moves the count by
+/// up to 8 per pod with every few connections; over a second of churn the least reading is where
+/// the stocks are low, while a leaked descriptor stays in every reading.
+const FD_READINGS: usize = 20;
 
-/// The node process's RSS, fds (the least of [`FD_READINGS`] readings 50 ms apart) and threads.
+/// The node process's RSS, fds (the least of [`FD_READINGS`] readings) and threads.
 ///
 /// # Errors
 /// When `/proc/<pid>` cannot be read or has no `VmRSS` (the process exited or is a zombie).
