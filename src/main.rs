@@ -258,6 +258,20 @@ enum Cmd {
         /// Rounds of `--peer` (each measures both proxies).
         #[arg(long, default_value_t = 4)]
         rounds: usize,
+        /// Run only the soak, for this many minutes (fractions allowed): connection churn, long
+        /// streams, pods added and deleted, policy pushes; a line a minute; exit 1 when RSS or fds
+        /// grew more than 10 % after warm-up or a connection failed.
+        #[arg(long, value_name = "MINUTES")]
+        soak: Option<f64>,
+        /// New connections per second of the soak's churn.
+        #[arg(long, default_value_t = 50)]
+        soak_rate: u32,
+        /// Long streams the soak holds.
+        #[arg(long, default_value_t = 4)]
+        soak_streams: usize,
+        /// Seconds between the soak's samples (for short test runs).
+        #[arg(long, default_value_t = 60, hide = true)]
+        soak_sample_secs: u64,
     },
     /// Check this node: CNI config, kernel features, in-pod rules, readiness, istiod, pods' UIDs
     /// and labels. One line per check; exit 1 on a failure, 2 on warnings only.
@@ -457,11 +471,33 @@ fn run(cmd: Cmd) -> anyhow::Result<i32> {
             xds_workloads,
             xds_policies,
             xds_pushes,
+            soak,
+            soak_rate,
+            soak_streams,
+            soak_sample_secs,
             peer,
             rounds,
         } => Ok(ztnode::lab::bench::run(ztnode::lab::bench::BenchOptions {
             peer,
             rounds,
+            soak: soak
+                .map(|minutes| -> anyhow::Result<_> {
+                    let duration = Duration::try_from_secs_f64(minutes * 60.0)
+                        .ok()
+                        .filter(|d| !d.is_zero())
+                        .ok_or_else(|| {
+                            anyhow::anyhow!(
+                                "--soak must be a positive number of minutes, not {minutes}"
+                            )
+                        })?;
+                    Ok(ztnode::lab::bench::SoakOptions {
+                        duration,
+                        rate: soak_rate,
+                        streams: soak_streams,
+                        sample: Duration::from_secs(soak_sample_secs),
+                    })
+                })
+                .transpose()?,
             only,
             lab_prefix,
             xds_workloads,

@@ -1,4 +1,4 @@
-//! The user-facing commands run end to end: `ztnode demo` and a short `ztnode bench`.
+//! The user-facing commands run end to end: `ztnode demo`, a short `ztnode bench` and a short soak.
 
 mod common;
 
@@ -40,9 +40,9 @@ fn demo_passes_and_cleans_up() {
     );
 }
 
-/// Runs `ztnode bench` with `args` (plus its own lab prefix and a JSON path); returns the JSON report
-/// and the figure names.
-fn run_bench(tag: &str, args: &[&str]) -> (serde_json::Value, Vec<String>) {
+/// Runs `ztnode bench` with `args` (plus its own lab prefix and a JSON path), asserting it passed;
+/// returns its stdout and the JSON report.
+fn bench_report(tag: &str, args: &[&str]) -> (String, serde_json::Value) {
     let dir = tempfile::tempdir().expect("tempdir");
     let json = dir.path().join("bench.json");
     let out = Command::new(env!("CARGO_BIN_EXE_ztnode"))
@@ -52,14 +52,21 @@ fn run_bench(tag: &str, args: &[&str]) -> (serde_json::Value, Vec<String>) {
         .arg(&json)
         .output()
         .expect("run bench");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status.success(),
-        "bench failed:\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
+        "bench failed:\n{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
     let v: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&json).expect("json written")).expect("json");
+    (stdout, v)
+}
+
+/// Runs `ztnode bench` with `args` as [`bench_report`] does; returns the JSON report and the figure
+/// names.
+fn run_bench(tag: &str, args: &[&str]) -> (serde_json::Value, Vec<String>) {
+    let (_, v) = bench_report(tag, args);
     let names = v["figures"]
         .as_array()
         .expect("figures")
@@ -181,4 +188,50 @@ fn bench_only_runs_the_selected_sections() {
     assert!(v["per_idle_conn_kib"].is_null(), "{v}");
     assert!(v["xds_push_ack_p50_ms"].is_null(), "{v}");
     assert_eq!(v["cni_add_samples"].as_u64(), Some(0));
+}
+
+#[test]
+fn a_short_soak_passes_and_reports_samples() {
+    if !common::privileged("a_short_soak_passes_and_reports_samples") {
+        return;
+    }
+    // 24 s of load sampled every 5 s: the warm-up sample at 5 s, four more after it
+    let (stdout, v) = bench_report(
+        "zbs",
+        &[
+            "--soak",
+            "0.4",
+            "--soak-sample-secs",
+            "5",
+            "--soak-rate",
+            "20",
+            "--soak-streams",
+            "2",
+            "--pods",
+            "2",
+        ],
+    );
+    assert!(stdout.contains("soak PASSED"), "{stdout}");
+    assert_eq!(v["passed"], true, "{v}");
+    let samples = v["samples"].as_array().expect("samples");
+    assert!(samples.len() >= 4, "{v}");
+    assert_eq!(v["warmup_index"].as_u64(), Some(0), "{v}");
+    let last = samples.last().expect("a sample");
+    for key in [
+        "rss_kib",
+        "fds",
+        "threads",
+        "conns_ok",
+        "stream_blocks",
+        "pods_added",
+        "pods_removed",
+        "pushes_seen",
+    ] {
+        assert!(last[key].as_u64().is_some_and(|n| n > 0), "{key}: {last}");
+    }
+    assert_eq!(last["conns_failed"].as_u64(), Some(0), "{last}");
+    assert_eq!(last["errors"].as_u64(), Some(0), "{last}");
+    // the node's gauges were read: the added pod and the two fixed ones run a proxy
+    assert!(last["proxies"].as_u64().is_some_and(|n| n >= 2), "{last}");
+    assert!(last["sockets_open"].as_u64().is_some(), "{last}");
 }

@@ -20,9 +20,10 @@ mod placement;
 mod report;
 mod sections;
 mod setup;
+mod soak;
 mod xds;
 
-pub use options::{BenchOptions, DEFAULT_LAB_PREFIX, Section};
+pub use options::{BenchOptions, DEFAULT_LAB_PREFIX, Section, SoakOptions};
 
 use report::{Figures, Machine};
 
@@ -41,9 +42,16 @@ pub fn run(opts: BenchOptions) -> i32 {
 /// selected sections, the report. The lab goes away when `bed` drops, after the node stopped.
 fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
     let started = time::OffsetDateTime::now_utc();
-    setup::preflight(opts)?;
+    let _lock = setup::preflight(opts)?;
     if let Some(peer) = &opts.peer {
         return peer::run(opts, peer);
+    }
+    if let Some(soak) = &opts.soak {
+        anyhow::ensure!(
+            soak::run(opts, soak)?,
+            "the soak failed (the verdict above)"
+        );
+        return Ok(());
     }
     let mut figures = Figures::default();
     if opts.wants(Section::Kube) {

@@ -13,7 +13,7 @@ use crate::lab::node::{Lab, Pod, ProcessGuard};
 use crate::netns::Netns;
 
 /// Bytes of one request and of its echo.
-const MSG: usize = 1024;
+pub(super) const MSG: usize = 1024;
 /// Longest a connection of [`conn_rate_timed`] may wait for connect, a write or a read.
 const IO_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -132,11 +132,15 @@ pub(super) fn iperf(
     Ok((bps / 1e9, bytes))
 }
 
+/// How long a one-shot echo server waits for a connection's message.
+const ONE_SHOT_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// An echo server's accept loop on its own thread. Stopping it (dropping it) shuts the listener
 /// down, which wakes the blocked `accept`, and joins the thread: the port can then be listened on
 /// again, whatever state the path to it is in.
-struct EchoServer {
-    addr: SocketAddr,
+pub(super) struct EchoServer {
+    /// Where it listens.
+    pub(super) addr: SocketAddr,
     /// The listening socket, shared with the thread.
     listener: std::net::TcpListener,
     thread: Option<std::thread::JoinHandle<()>>,
@@ -144,14 +148,18 @@ struct EchoServer {
 
 /// Listens on `server`'s IP and `port` and echoes [`MSG`]-byte messages: one message per
 /// connection, then close (`close_after_reply`), or until the client closes (a thread each).
-fn echo_server(server: &Pod, port: u16, close_after_reply: bool) -> anyhow::Result<EchoServer> {
+pub(super) fn echo_server(
+    server: &Pod,
+    port: u16,
+    close_after_reply: bool,
+) -> anyhow::Result<EchoServer> {
     let ns = Netns::open(&server.netns_path)?;
     let listener = Lab::listen_in(&ns, SocketAddr::new(server.ip, port))?;
     serve_echo(listener, close_after_reply)
 }
 
 /// Runs [`echo_server`]'s accept loop on `listener`.
-fn serve_echo(
+pub(super) fn serve_echo(
     listener: std::net::TcpListener,
     close_after_reply: bool,
 ) -> anyhow::Result<EchoServer> {
@@ -164,6 +172,8 @@ fn serve_echo(
             let _ = s.set_nodelay(true);
             let mut buf = [0u8; MSG];
             if close_after_reply {
+                // one at a time: a client that never sends must not hold up the next ones for ever
+                let _ = s.set_read_timeout(Some(ONE_SHOT_READ_TIMEOUT));
                 if s.read_exact(&mut buf).is_ok() {
                     let _ = s.write_all(&buf);
                 }

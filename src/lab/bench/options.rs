@@ -35,6 +35,21 @@ pub struct BenchOptions {
     /// Pushes timed by the xDS section in each of its two series (until the ACK, until
     /// `/config_dump` shows the change).
     pub xds_pushes: usize,
+    /// Run the soak instead of the sections ([`SoakOptions`]).
+    pub soak: Option<SoakOptions>,
+}
+
+/// What `ztnode bench --soak` runs (see `lab::bench::soak`).
+#[derive(Debug, Clone)]
+pub struct SoakOptions {
+    /// How long the load runs.
+    pub duration: Duration,
+    /// New connections (connect, 1 KiB round trip, close) per second.
+    pub rate: u32,
+    /// Long streams held for the whole run.
+    pub streams: usize,
+    /// Time between samples (a minute; shorter for tests).
+    pub sample: Duration,
 }
 
 /// A part of the benchmark that `--only` can select.

@@ -83,6 +83,24 @@ impl Machine {
     }
 }
 
+impl Machine {
+    /// `ztnode <version>, started <time>, <n> CPUs, cpuidle <setup>`: the table's heading line.
+    pub(super) fn describe(&self) -> String {
+        format!(
+            "ztnode {}, started {}, {} CPUs, cpuidle {}",
+            self.version, self.started_at, self.cpus, self.cpuidle
+        )
+    }
+
+    /// Sets the report keys `ztnode_version`, `started_at`, `cpus` and `cpuidle` in the object `doc`.
+    pub(super) fn add_to(&self, doc: &mut serde_json::Value) {
+        doc["ztnode_version"] = json!(self.version);
+        doc["started_at"] = json!(self.started_at);
+        doc["cpus"] = json!(self.cpus);
+        doc["cpuidle"] = json!(self.cpuidle);
+    }
+}
+
 /// The figures of a run in table order: rows of both paths, then single values.
 #[derive(Default)]
 pub(super) struct Figures {

@@ -4,6 +4,8 @@
 use std::net::IpAddr;
 use std::process::Command;
 
+use anyhow::Context;
+
 use super::measure::settle_rss;
 use super::options::{BenchOptions, Section};
 use crate::lab::mesh_lab::{MeshLab, MeshSpec, MeshStage};
@@ -27,9 +29,44 @@ impl Drop for RemoveOnDrop {
     }
 }
 
-/// Checks that the run can start (root, `--pods`, `--lab-prefix`), raises the open-file limit and
-/// deletes the namespaces an interrupted earlier run with the same prefix may have left.
-pub(super) fn preflight(opts: &BenchOptions) -> anyhow::Result<()> {
+/// Held for a whole run: an exclusive lock on `<tmp>/ztnode-lab-<prefix>.lock`, so a second bench
+/// with the same `--lab-prefix` stops at once instead of deleting the first one's namespaces. The
+/// file is removed when the lock is dropped.
+pub(super) struct PrefixLock {
+    path: std::path::PathBuf,
+    _held: nix::fcntl::Flock<std::fs::File>,
+}
+
+impl Drop for PrefixLock {
+    fn drop(&mut self) {
+        // before the lock goes (with `_held`), so no other run can have taken it on this file
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Takes the [`PrefixLock`] of `prefix`.
+fn lock_prefix(prefix: &str) -> anyhow::Result<PrefixLock> {
+    let path = std::env::temp_dir().join(format!("ztnode-lab-{prefix}.lock"));
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("open {}", path.display()))?;
+    match nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock) {
+        Ok(held) => Ok(PrefixLock { path, _held: held }),
+        Err((_, nix::errno::Errno::EWOULDBLOCK)) => anyhow::bail!(
+            "another bench with --lab-prefix {prefix} is running (it holds {}); pick another prefix",
+            path.display()
+        ),
+        Err((_, e)) => Err(anyhow::anyhow!("lock {}: {e}", path.display())),
+    }
+}
+
+/// Checks that the run can start (root, `--pods`, `--lab-prefix`), takes the prefix's
+/// [`PrefixLock`], raises the open-file limit and deletes the namespaces an interrupted earlier run
+/// with the same prefix may have left.
+pub(super) fn preflight(opts: &BenchOptions) -> anyhow::Result<PrefixLock> {
     anyhow::ensure!(
         nix::unistd::geteuid().is_root(),
         "the benchmark builds network namespaces: run it as root"
@@ -46,6 +83,7 @@ pub(super) fn preflight(opts: &BenchOptions) -> anyhow::Result<()> {
                 .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit()),
         "--lab-prefix must be 1 to 8 characters of a-z and 0-9, not {prefix:?}"
     );
+    let lock = lock_prefix(prefix)?;
     // Namespaces an interrupted earlier run may have left.
     if let Ok(out) = Command::new("ip").args(["netns", "list"]).output() {
         for name in String::from_utf8_lossy(&out.stdout).split_whitespace() {
@@ -54,7 +92,7 @@ pub(super) fn preflight(opts: &BenchOptions) -> anyhow::Result<()> {
             }
         }
     }
-    Ok(())
+    Ok(lock)
 }
 
 /// The lab node running a `ztnode node`, with the pods measured on: `[d-client, d-server,
@@ -192,4 +230,21 @@ pub(super) fn hold(bed: &Bed, opts: &BenchOptions) {
         d_server.netns_name
     );
     std::thread::sleep(opts.hold);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_second_run_with_the_same_prefix_is_refused_until_the_first_ends() {
+        let prefix = format!("lk{}", std::process::id() % 100_000);
+        let first = lock_prefix(&prefix).expect("first lock");
+        let err = lock_prefix(&prefix).err().expect("second lock refused");
+        assert!(err.to_string().contains("another bench"), "{err}");
+        let path = first.path.clone();
+        drop(first);
+        assert!(!path.exists(), "the lock file is removed");
+        drop(lock_prefix(&prefix).expect("free again"));
+    }
 }
