@@ -44,7 +44,7 @@ for t in "${targets[@]}"; do
         echo "fuzz: $t FAILED (input in fuzz/artifacts/$t/)" >&2
         exit 1
     fi
-    execs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$' || echo '?')
+    execs=$(grep -ao 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$' || echo '?')
     summary+=("$t: $execs executions in ${seconds}s")
 done
 printf 'fuzz: %s\n' "${summary[@]}"
