@@ -17,8 +17,6 @@ use ztnode::lab::cnichain::Attachment;
 use ztnode::lab::{self, Lab, LabOptions, ProcessGuard};
 use ztnode::netns::Netns;
 
-const SUBNET: &str = "10.248.0.0/24";
-
 /// A pod netns attached by hand through the lab's chain (the lab's own `add_pod` undoes a failed
 /// ADD, as a runtime retrying would). Dropped before the lab: CNI DEL, then the netns is deleted.
 struct ManualPod<'a> {
@@ -234,26 +232,53 @@ fn round_trip(
     }
 }
 
+/// A lab of these tests: its name prefix, run dir (removed after the lab) and the addresses
+/// host-local gives the first two pods, `10.<net>.0.2` and `.3`.
+struct SplitLab {
+    lab: Lab,
+    prefix: String,
+    run_dir: PathBuf,
+    first_ip: IpAddr,
+    second_ip: IpAddr,
+    _run_dir: common::RemoveOnDrop,
+}
+
+fn split_lab(tag: &str, net: u8) -> SplitLab {
+    let prefix = common::prefix(tag);
+    let run_dir = std::env::temp_dir().join(format!("ztnode-e2e-run-{prefix}"));
+    let _ = std::fs::remove_dir_all(&run_dir);
+    let guard = common::RemoveOnDrop(run_dir.clone());
+    let lab = Lab::new(LabOptions {
+        prefix: prefix.clone(),
+        ztnode_binary: Some(env!("CARGO_BIN_EXE_ztnode").into()),
+        run_dir: run_dir.clone(),
+        subnet: format!("10.{net}.0.0/24"),
+        cni_version: "1.0.0".into(),
+    })
+    .expect("lab");
+    SplitLab {
+        lab,
+        prefix,
+        run_dir,
+        first_ip: IpAddr::from([10, net, 0, 2]),
+        second_ip: IpAddr::from([10, net, 0, 3]),
+        _run_dir: guard,
+    }
+}
+
 #[test]
 fn agent_and_proxy_as_separate_processes_over_zds() {
     if !common::privileged("agent_and_proxy_as_separate_processes_over_zds") {
         return;
     }
-    let prefix = common::prefix("e2s");
-    let run_dir = std::env::temp_dir().join(format!("ztnode-e2e-run-{prefix}"));
-    let _ = std::fs::remove_dir_all(&run_dir);
-    let _run_dir = common::RemoveOnDrop(run_dir.clone());
-    let lab = Lab::new(LabOptions {
-        prefix: prefix.clone(),
-        ztnode_binary: Some(env!("CARGO_BIN_EXE_ztnode").into()),
-        run_dir: run_dir.clone(),
-        subnet: SUBNET.into(),
-        cni_version: "1.0.0".into(),
-    })
-    .expect("lab");
-    // host-local hands out addresses in order: the server pod is attached first
-    let server_ip: IpAddr = "10.248.0.2".parse().expect("ip");
-    let client_ip: IpAddr = "10.248.0.3".parse().expect("ip");
+    let SplitLab {
+        lab,
+        prefix,
+        run_dir,
+        first_ip: server_ip,
+        second_ip: client_ip,
+        _run_dir,
+    } = split_lab("e2s", 248);
     let config = lab.dir().join("local-config.yaml");
     std::fs::write(
         &config,
@@ -344,20 +369,14 @@ fn a_late_workload_record_holds_up_no_add() {
     if !common::privileged("a_late_workload_record_holds_up_no_add") {
         return;
     }
-    let prefix = common::prefix("e2l");
-    let run_dir = std::env::temp_dir().join(format!("ztnode-e2e-run-{prefix}"));
-    let _ = std::fs::remove_dir_all(&run_dir);
-    let _run_dir = common::RemoveOnDrop(run_dir.clone());
-    let lab = Lab::new(LabOptions {
-        prefix: prefix.clone(),
-        ztnode_binary: Some(env!("CARGO_BIN_EXE_ztnode").into()),
-        run_dir: run_dir.clone(),
-        subnet: "10.247.0.0/24".into(),
-        cni_version: "1.0.0".into(),
-    })
-    .expect("lab");
-    let server_ip: IpAddr = "10.247.0.2".parse().expect("ip");
-    let client_ip: IpAddr = "10.247.0.3".parse().expect("ip");
+    let SplitLab {
+        lab,
+        prefix,
+        run_dir,
+        first_ip: server_ip,
+        second_ip: client_ip,
+        _run_dir,
+    } = split_lab("e2l", 247);
     let both = [
         ("client", "default", "alice", client_ip),
         ("server", "default", "bob", server_ip),
@@ -436,20 +455,14 @@ fn a_proxy_killed_mid_stream_fails_closed_until_it_is_back() {
     if !common::privileged("a_proxy_killed_mid_stream_fails_closed_until_it_is_back") {
         return;
     }
-    let prefix = common::prefix("e2k");
-    let run_dir = std::env::temp_dir().join(format!("ztnode-e2e-run-{prefix}"));
-    let _ = std::fs::remove_dir_all(&run_dir);
-    let _run_dir = common::RemoveOnDrop(run_dir.clone());
-    let lab = Lab::new(LabOptions {
-        prefix: prefix.clone(),
-        ztnode_binary: Some(env!("CARGO_BIN_EXE_ztnode").into()),
-        run_dir: run_dir.clone(),
-        subnet: "10.244.0.0/24".into(),
-        cni_version: "1.0.0".into(),
-    })
-    .expect("lab");
-    let server_ip: IpAddr = "10.244.0.2".parse().expect("ip");
-    let client_ip: IpAddr = "10.244.0.3".parse().expect("ip");
+    let SplitLab {
+        lab,
+        prefix,
+        run_dir,
+        first_ip: server_ip,
+        second_ip: client_ip,
+        _run_dir,
+    } = split_lab("e2k", 244);
     let config = lab.dir().join("local-config.yaml");
     std::fs::write(
         &config,
