@@ -539,11 +539,21 @@ const LISTEN_BACKLOG: i32 = 4096;
 /// all with protocol HBONE, the pod name as workload and canonical name, revision `latest` (what
 /// the telemetry labels show) and no services (`services: {}`, which ztunnel requires).
 pub fn local_config(node: &str, pods: &[(&str, &str, &str, std::net::IpAddr)]) -> String {
+    local_config_with_protocol(node, pods, "HBONE")
+}
+
+/// [`local_config`] with every workload's `protocol` set to `protocol` (`HBONE` or `TCP`; with
+/// `TCP` a proxy passes the pods' traffic through in plain TCP, captured but not encrypted).
+pub fn local_config_with_protocol(
+    node: &str,
+    pods: &[(&str, &str, &str, std::net::IpAddr)],
+    protocol: &str,
+) -> String {
     let mut y = String::from("workloads:\n");
     for (name, ns, sa, ip) in pods {
         y.push_str(&format!(
             "- uid: cluster1//v1/Pod/{ns}/{name}\n  name: {name}\n  namespace: {ns}\n  serviceAccount: {sa}\n  \
-             workloadIps: [\"{ip}\"]\n  protocol: HBONE\n  node: {node}\n  workloadName: {name}\n  \
+             workloadIps: [\"{ip}\"]\n  protocol: {protocol}\n  node: {node}\n  workloadName: {name}\n  \
              canonicalName: {name}\n  canonicalRevision: latest\n  services: {{}}\n"
         ));
     }

@@ -133,6 +133,18 @@ async fn tcp_to_tcp(
     writer.shutdown().await
 }
 
+/// The bytes the app has already sent on `tcp`, read without waiting (at most one small read,
+/// [`SMALL_BUF`]): what an outbound connection sends with its CONNECT as early data. `None` when
+/// nothing is there yet (a server-first protocol), at EOF (the relay finds it again) or on an error
+/// (the relay meets it again).
+pub fn early_data(tcp: &TcpStream) -> Option<Bytes> {
+    let mut buf = [0u8; SMALL_BUF];
+    match tcp.try_read(&mut buf) {
+        Ok(n) if n > 0 => Some(Bytes::copy_from_slice(&buf[..n])),
+        _ => None,
+    }
+}
+
 /// Relays between a TCP connection and an HBONE stream in both directions (see module docs).
 pub fn relay_h2(tcp: TcpStream, send: SendStream<Bytes>, recv: RecvStream) -> H2Relay {
     H2Relay {
@@ -227,6 +239,13 @@ impl Future for H2Relay {
 }
 
 impl H2Relay {
+    /// The relay of a stream whose first `n` bytes from the TCP side were already handed to h2
+    /// (early data sent with the CONNECT): counted as sent.
+    pub fn with_sent(mut self, n: u64) -> Self {
+        self.up.total = n;
+        self
+    }
+
     /// Bytes moved in each direction so far.
     pub fn transferred(&self) -> Transferred {
         Transferred {
@@ -487,6 +506,29 @@ impl Future for TcpRelay {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn early_data_takes_what_the_app_sent_without_waiting() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let mut app = TcpStream::connect(l.local_addr().expect("addr"))
+            .await
+            .expect("connect");
+        let (proxy_side, _) = l.accept().await.expect("accept");
+        assert_eq!(early_data(&proxy_side), None, "nothing sent yet");
+        app.write_all(b"GET / HTTP/1.1\r\n\r\n")
+            .await
+            .expect("write");
+        proxy_side.readable().await.expect("readable");
+        assert_eq!(
+            early_data(&proxy_side).as_deref(),
+            Some(&b"GET / HTTP/1.1\r\n\r\n"[..])
+        );
+        app.shutdown().await.expect("fin");
+        proxy_side.readable().await.expect("readable");
+        assert_eq!(early_data(&proxy_side), None, "EOF is left to the relay");
+    }
     use tokio::io::{AsyncReadExt, duplex};
 
     /// A connected loopback TCP pair.

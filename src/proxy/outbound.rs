@@ -148,12 +148,15 @@ async fn setup(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) -> Option
                 dst: hbone.identity,
                 addr: hbone.addr,
             };
+            let early = copy::early_data(&tcp);
+            let early_len = early.as_ref().map_or(0, |b| b.len() as u64);
             let connect = connect_hbone(
                 &pod,
                 key,
                 client,
                 hbone.authority,
                 hbone.service_host.as_deref(),
+                early,
             );
             match connect.await {
                 Ok(PooledStream {
@@ -161,7 +164,7 @@ async fn setup(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) -> Option
                     send,
                     lease,
                 }) => Either::Left(Leased::new(
-                    copy::relay_h2(tcp, send, response.into_body()),
+                    copy::relay_h2(tcp, send, response.into_body()).with_sent(early_len),
                     lease,
                 )),
                 Err(e) => {
@@ -192,6 +195,7 @@ async fn connect_hbone(
     client: SocketAddr,
     target: SocketAddr,
     service_host: Option<&str>,
+    early: Option<bytes::Bytes>,
 ) -> Result<PooledStream, OutboundError> {
     let req = http::Request::builder()
         .method(http::Method::CONNECT)
@@ -203,7 +207,7 @@ async fn connect_hbone(
     // The pool retries once on a fresh connection when the peer refused the stream unprocessed.
     let stream = pod
         .pool
-        .send_request(&key, req)
+        .send_request_with(&key, req, early)
         .await
         .map_err(|e| match e {
             PoolError::Stream { addr, source } => OutboundError::Connect(addr, source),

@@ -316,9 +316,23 @@ impl<C: Connector> Pool<C> {
         key: &PoolKey,
         request: Request<()>,
     ) -> Result<PooledStream, PoolError> {
+        self.send_request_with(key, request, None).await
+    }
+
+    /// [`send_request`](Self::send_request) with `early` data: the first bytes of the stream's
+    /// body, sent right after the request head instead of after the response, so the peer can
+    /// hand them to its app as soon as it connected (one round trip less before the app sees the
+    /// client's first bytes; RFC 9113 §8.5 CONNECT puts no order between the response and the
+    /// client's DATA). A retry sends them again on the fresh stream; a non-200 peer drops them.
+    pub async fn send_request_with(
+        &self,
+        key: &PoolKey,
+        request: Request<()>,
+        early: Option<Bytes>,
+    ) -> Result<PooledStream, PoolError> {
         let again = copy_head(&request);
         let (sender, lease, used) = self.checkout(key, None).await?;
-        match send_once(sender, request).await {
+        match send_once(sender, request, early.clone()).await {
             Ok((response, send)) => Ok(PooledStream {
                 response,
                 send,
@@ -329,7 +343,7 @@ impl<C: Connector> Pool<C> {
                 tracing::debug!(peer = %key.addr, error = %e, "HBONE stream not processed by the peer, retrying on a fresh connection");
                 let (sender, lease, _) = self.checkout(key, Some(used)).await?;
                 let (response, send) =
-                    send_once(sender, again)
+                    send_once(sender, again, early)
                         .await
                         .map_err(|f| PoolError::Stream {
                             addr: key.addr,
@@ -531,16 +545,22 @@ impl Failure {
 async fn send_once(
     mut sender: SendRequest<Bytes>,
     request: Request<()>,
+    early: Option<Bytes>,
 ) -> Result<(Response<RecvStream>, SendStream<Bytes>), Failure> {
     // A synchronous failure means the request never left: the connection got a GOAWAY or died
     // between the readiness check and now.
-    let (resp, send) = sender.send_request(request, false).map_err(|e| {
+    let (resp, mut send) = sender.send_request(request, false).map_err(|e| {
         if e.is_go_away() || e.is_io() || e.reason() == Some(h2::Reason::REFUSED_STREAM) {
             Failure::Unprocessed(e)
         } else {
             Failure::Other(e)
         }
     })?;
+    if let Some(data) = early {
+        // Queued behind the HEADERS frame (h2 holds it until the stream's window allows; early
+        // data is one small read). A failure here shows in the response future below.
+        let _ = send.send_data(data, false);
+    }
     match resp.await {
         Ok(r) => Ok((r, send)),
         Err(e) if unprocessed(&e) => Err(Failure::Unprocessed(e)),

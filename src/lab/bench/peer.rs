@@ -27,7 +27,9 @@ use serde_json::json;
 use super::measure::{self, conn_rate_timed, cpu_seconds, iperf, settle_rss};
 use super::options::BenchOptions;
 use super::placement::Placement;
-use crate::lab::node::{Lab, LabOptions, Pod, ProcessGuard, local_config};
+use crate::lab::node::{
+    Lab, LabOptions, Pod, ProcessGuard, local_config, local_config_with_protocol,
+};
 
 const SUBNET: &str = "10.251.0.0/16";
 
@@ -36,6 +38,10 @@ const SUBNET: &str = "10.251.0.0/16";
 enum Proxy {
     Ztnode,
     Peer,
+    /// The bound: ztnode's proxy with both workloads on protocol TCP, so the same two user-space
+    /// relays in the same places (outbound capture in the client pod, inbound capture in the
+    /// server pod) move the bytes in plain TCP, without TLS or HTTP/2.
+    Plain,
 }
 
 impl Proxy {
@@ -43,6 +49,7 @@ impl Proxy {
         match self {
             Proxy::Ztnode => "ztnode",
             Proxy::Peer => "peer",
+            Proxy::Plain => "plain",
         }
     }
 }
@@ -57,6 +64,7 @@ struct Figure {
     target: Option<f64>,
     ztnode: Vec<f64>,
     peer: Vec<f64>,
+    plain: Vec<f64>,
 }
 
 impl Figure {
@@ -75,6 +83,7 @@ impl Figure {
             target,
             ztnode: Vec::new(),
             peer: Vec::new(),
+            plain: Vec::new(),
         }
     }
 
@@ -82,17 +91,18 @@ impl Figure {
         match proxy {
             Proxy::Ztnode => self.ztnode.push(v),
             Proxy::Peer => self.peer.push(v),
+            Proxy::Plain => self.plain.push(v),
         }
     }
 
     /// ztnode's mean over the peer's (0 when the peer's is 0).
     fn ratio(&self) -> f64 {
-        let p = mean(&self.peer);
-        if p == 0.0 {
-            0.0
-        } else {
-            mean(&self.ztnode) / p
-        }
+        ratio(&self.ztnode, &self.peer)
+    }
+
+    /// The bound's mean over the peer's: the best ratio two plain relays reach (0 without samples).
+    fn bound(&self) -> f64 {
+        ratio(&self.plain, &self.peer)
     }
 
     /// Whether the ratio meets the target (`None` without a target).
@@ -105,6 +115,12 @@ impl Figure {
             r <= t
         })
     }
+}
+
+/// `mean(a) / mean(b)`; 0 when `b`'s mean is 0.
+fn ratio(a: &[f64], b: &[f64]) -> f64 {
+    let d = mean(b);
+    if d == 0.0 { 0.0 } else { mean(a) / d }
 }
 
 /// The mean of `v`; 0 when empty.
@@ -237,12 +253,25 @@ pub(super) fn run(opts: &BenchOptions, peer: &Path) -> anyhow::Result<()> {
             ],
         ),
     )?;
+    let plain_config = lab.dir().join("local-config-plain.yaml");
+    std::fs::write(
+        &plain_config,
+        local_config_with_protocol(
+            lab.node_name(),
+            &[
+                ("m-client", "bench", "m-client", ip(4)),
+                ("m-server", "bench", "m-server", ip(5)),
+            ],
+            "TCP",
+        ),
+    )?;
     let zds = run_dir.join("ztunnel.sock");
     let lab_ctx = Ctx {
         lab: &lab,
         exe: &exe,
         peer,
         config: &config,
+        plain_config: &plain_config,
         run_dir: &run_dir,
         zds: &zds,
     };
@@ -261,15 +290,17 @@ pub(super) fn run(opts: &BenchOptions, peer: &Path) -> anyhow::Result<()> {
     let mut figs = figures();
     let rounds = opts.rounds.max(1);
     for round in 0..rounds {
-        // A B, then B A: a drift within a round does not always favour the same proxy
+        // A B C, then C B A: a drift within a round does not always favour the same proxy
         let order = if round % 2 == 0 {
-            [Proxy::Ztnode, Proxy::Peer]
+            [Proxy::Ztnode, Proxy::Peer, Proxy::Plain]
         } else {
-            [Proxy::Peer, Proxy::Ztnode]
+            [Proxy::Plain, Proxy::Peer, Proxy::Ztnode]
         };
         for proxy in order {
+            // A fresh process for every measurement, also when the same proxy ran just before
+            // (the end of one round and the start of the next): its idle RSS is read first.
             let process = match running.take() {
-                Some((p, process)) if p == proxy => process,
+                Some((p, process)) if p == proxy && round == 0 => process,
                 other => {
                     if let Some((_, old)) = other {
                         stop(old);
@@ -305,6 +336,7 @@ struct Ctx<'a> {
     exe: &'a Path,
     peer: &'a Path,
     config: &'a Path,
+    plain_config: &'a Path,
     run_dir: &'a Path,
     zds: &'a Path,
 }
@@ -342,11 +374,16 @@ impl Ctx<'_> {
     fn start(&self, proxy: Proxy) -> anyhow::Result<ProcessGuard> {
         let log = self.lab.dir().join(format!("{}.log", proxy.name()));
         let mut cmd = match proxy {
-            Proxy::Ztnode => {
+            Proxy::Ztnode | Proxy::Plain => {
+                let config = if proxy == Proxy::Plain {
+                    self.plain_config
+                } else {
+                    self.config
+                };
                 let mut c = Command::new(self.exe);
                 c.arg("proxy")
                     .arg("--config")
-                    .arg(self.config)
+                    .arg(config)
                     .arg("--run-dir")
                     .arg(self.run_dir);
                 c
@@ -409,8 +446,10 @@ fn measure_round(
 ) -> anyhow::Result<()> {
     let [d_client, d_server, m_client, m_server] = pods;
     let secs = opts.duration.as_secs().max(1);
-    // idle: before any load grew the allocator's heap
-    figs[10].push(proxy, settle_rss(pid)? as f64 / 1024.0);
+    // idle: before any load grew the allocator's heap; the bound is a bound on speed only
+    if proxy != Proxy::Plain {
+        figs[10].push(proxy, settle_rss(pid)? as f64 / 1024.0);
+    }
     for (i, streams) in [(0usize, 1usize), (1, 8)] {
         let cpu = cpu_seconds(pid)?;
         let (gbps, bytes) = iperf(m_client, m_server, streams, secs)?;
@@ -439,8 +478,10 @@ fn measure_round(
         figs[i].push(proxy, l.mesh_p50 - l.direct_p50);
         figs[i + 1].push(proxy, l.mesh_p99 - l.direct_p99);
     }
-    let idle = measure::idle_connections(m_client, m_server, opts.idle_conns, pid)?;
-    figs[11].push(proxy, idle.per_conn(opts.idle_conns));
+    if proxy != Proxy::Plain {
+        let idle = measure::idle_connections(m_client, m_server, opts.idle_conns, pid)?;
+        figs[11].push(proxy, idle.per_conn(opts.idle_conns));
+    }
     Ok(())
 }
 
@@ -450,8 +491,8 @@ fn print(figs: &[Figure], rounds: usize, peer: &Path) {
         peer.display()
     );
     println!(
-        "{:<34} {:>10} {:>10} {:>8} {:>8}  unit",
-        "figure", "ztnode", "peer", "ratio", "target"
+        "{:<34} {:>10} {:>10} {:>8} {:>8} {:>10} {:>8}  unit",
+        "figure", "ztnode", "peer", "ratio", "target", "plain", "bound"
     );
     for f in figs {
         let target = match (f.target, f.met()) {
@@ -462,15 +503,21 @@ fn print(figs: &[Figure], rounds: usize, peer: &Path) {
             _ => "-".into(),
         };
         println!(
-            "{:<34} {:>10.2} {:>10.2} {:>7.2}x {:>8}  {}",
+            "{:<34} {:>10.2} {:>10.2} {:>7.2}x {:>8} {:>10.2} {:>7.2}x  {}",
             f.label,
             mean(&f.ztnode),
             mean(&f.peer),
             f.ratio(),
             target,
+            mean(&f.plain),
+            f.bound(),
             f.unit
         );
     }
+    println!(
+        "plain: ztnode's proxy with the workloads on protocol TCP (the same two relays, no TLS, no \
+         HTTP/2); bound = plain / peer, the ratio no HBONE proxy in those places can pass"
+    );
 }
 
 fn write_json(
@@ -491,9 +538,12 @@ fn write_json(
             "unit": f.unit,
             "ztnode": f.ztnode,
             "peer": f.peer,
+            "plain": f.plain,
             "ztnode_mean": mean(&f.ztnode),
             "peer_mean": mean(&f.peer),
+            "plain_mean": mean(&f.plain),
             "ratio": f.ratio(),
+            "bound": f.bound(),
             "target": f.target,
             "met": f.met(),
         })).collect::<Vec<_>>(),
@@ -522,5 +572,8 @@ mod tests {
         assert_eq!(cpu.met(), Some(false), "0.875 is over 0.7");
         let empty = Figure::new("e", "e", "s", false, None);
         assert_eq!((empty.ratio(), empty.met()), (0.0, None));
+        faster.push(Proxy::Plain, 12.0);
+        assert!((faster.bound() - 12.0 / 6.0).abs() < 1e-9);
+        assert_eq!(empty.bound(), 0.0);
     }
 }

@@ -19,6 +19,9 @@ enum Peer {
     Refuse,
     /// Answers the first HEADERS with GOAWAY(last_stream_id = 0): nothing was processed.
     GoAway,
+    /// Waits for the stream's first DATA before it answers 200, then sends that data back and
+    /// ends the stream: a client that holds its data until the response never gets one.
+    EarlyEcho,
 }
 
 /// Dials in-memory peers, one behaviour per dial (the last one repeats), and records when each
@@ -68,7 +71,7 @@ impl Connector for FakeConnector {
         self.closed.lock().expect("closed").push(closed_rx);
         tokio::spawn(async move {
             match peer {
-                Peer::Accept | Peer::Refuse => h2_peer(server, peer).await,
+                Peer::Accept | Peer::Refuse | Peer::EarlyEcho => h2_peer(server, peer).await,
                 Peer::GoAway => goaway_peer(server).await,
             }
             let _ = closed_tx.send(true);
@@ -84,9 +87,21 @@ async fn h2_peer(io: DuplexStream, peer: Peer) {
     else {
         return;
     };
-    while let Some(Ok((_req, mut respond))) = conn.accept().await {
+    while let Some(Ok((req, mut respond))) = conn.accept().await {
         match peer {
             Peer::Refuse => respond.send_reset(h2::Reason::REFUSED_STREAM),
+            Peer::EarlyEcho => {
+                tokio::spawn(async move {
+                    let mut body = req.into_body();
+                    let Some(Ok(data)) = body.data().await else {
+                        return;
+                    };
+                    let _ = body.flow_control().release_capacity(data.len());
+                    if let Ok(mut send) = respond.send_response(Response::new(()), false) {
+                        let _ = send.send_data(data, true);
+                    }
+                });
+            }
             _ => {
                 let _ = respond.send_response(Response::new(()), true);
             }
@@ -380,4 +395,56 @@ async fn a_drained_pool_lets_go_of_its_connections_and_pools_nothing_new() {
             .expect("closed flag");
     }
     assert!(pool.is_empty());
+}
+
+/// The response body of `s`, to its end.
+async fn body_of(s: PooledStream) -> Vec<u8> {
+    let mut body = s.response.into_body();
+    let mut got = Vec::new();
+    while let Some(chunk) = body.data().await {
+        let chunk = chunk.expect("data");
+        let _ = body.flow_control().release_capacity(chunk.len());
+        got.extend_from_slice(&chunk);
+    }
+    got
+}
+
+#[tokio::test]
+async fn early_data_reaches_the_peer_before_the_response() {
+    let pool = pool(&[Peer::EarlyEcho]);
+    let s = tokio::time::timeout(
+        Duration::from_secs(5),
+        pool.send_request_with(
+            &key("bob"),
+            connect_req(),
+            Some(Bytes::from_static(b"hello")),
+        ),
+    )
+    .await
+    .expect("the peer answers only once the early data arrived")
+    .expect("stream");
+    assert_eq!(s.response.status(), 200);
+    assert_eq!(body_of(s).await, b"hello");
+}
+
+#[tokio::test]
+async fn a_retried_stream_carries_the_early_data_again() {
+    let pool = pool(&[Peer::Refuse, Peer::EarlyEcho]);
+    let s = tokio::time::timeout(
+        Duration::from_secs(5),
+        pool.send_request_with(
+            &key("bob"),
+            connect_req(),
+            Some(Bytes::from_static(b"again")),
+        ),
+    )
+    .await
+    .expect("answered")
+    .expect("stream after the retry");
+    assert_eq!(
+        pool.connector.dials(),
+        2,
+        "refused, then a fresh connection"
+    );
+    assert_eq!(body_of(s).await, b"again");
 }
