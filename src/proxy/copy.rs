@@ -135,13 +135,18 @@ async fn tcp_to_tcp(
 
 /// The bytes the app has already sent on `tcp`, read without waiting (at most one small read,
 /// [`SMALL_BUF`]): what an outbound connection sends with its CONNECT as early data. `None` when
-/// nothing is there yet (a server-first protocol), at EOF (the relay finds it again) or on an error
-/// (the relay meets it again).
-pub fn early_data(tcp: &TcpStream) -> Option<Bytes> {
+/// nothing is there yet (a server-first protocol) or at EOF (a FIN stays readable: the relay
+/// finds it again).
+///
+/// Errors: the socket's error (e.g. the app reset it). The kernel reports it once, so the caller
+/// must end the connection on it rather than leave it to the relay.
+pub fn early_data(tcp: &TcpStream) -> io::Result<Option<Bytes>> {
     let mut buf = [0u8; SMALL_BUF];
     match tcp.try_read(&mut buf) {
-        Ok(n) if n > 0 => Some(Bytes::copy_from_slice(&buf[..n])),
-        _ => None,
+        Ok(0) => Ok(None),
+        Ok(n) => Ok(Some(Bytes::copy_from_slice(&buf[..n]))),
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
+        Err(e) => Err(e),
     }
 }
 
@@ -507,28 +512,6 @@ impl Future for TcpRelay {
 mod tests {
     use super::*;
 
-    #[tokio::test]
-    async fn early_data_takes_what_the_app_sent_without_waiting() {
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let mut app = TcpStream::connect(l.local_addr().expect("addr"))
-            .await
-            .expect("connect");
-        let (proxy_side, _) = l.accept().await.expect("accept");
-        assert_eq!(early_data(&proxy_side), None, "nothing sent yet");
-        app.write_all(b"GET / HTTP/1.1\r\n\r\n")
-            .await
-            .expect("write");
-        proxy_side.readable().await.expect("readable");
-        assert_eq!(
-            early_data(&proxy_side).as_deref(),
-            Some(&b"GET / HTTP/1.1\r\n\r\n"[..])
-        );
-        app.shutdown().await.expect("fin");
-        proxy_side.readable().await.expect("readable");
-        assert_eq!(early_data(&proxy_side), None, "EOF is left to the relay");
-    }
     use tokio::io::{AsyncReadExt, duplex};
 
     /// A connected loopback TCP pair.
@@ -812,5 +795,76 @@ mod tests {
         assert_eq!(err.transferred.received, 5, "{err}");
         drop(r);
         upload.abort();
+    }
+
+    /// Waits until `s` has seen the peer's FIN or reset (up to 5 s), reading nothing.
+    async fn read_closed(s: &TcpStream) {
+        let wait = async {
+            loop {
+                let ready = s.ready(tokio::io::Interest::READABLE).await.expect("ready");
+                if ready.is_read_closed() {
+                    return;
+                }
+                // stale readiness (from an earlier read): clear it so the next wait polls epoll
+                let _ = s.try_io(tokio::io::Interest::READABLE, || {
+                    Err::<(), _>(io::ErrorKind::WouldBlock.into())
+                });
+            }
+        };
+        tokio::time::timeout(std::time::Duration::from_secs(5), wait)
+            .await
+            .expect("FIN or reset seen");
+    }
+
+    #[tokio::test]
+    async fn early_data_takes_what_the_app_sent_without_waiting() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let mut app = TcpStream::connect(l.local_addr().expect("addr"))
+            .await
+            .expect("connect");
+        let (proxy_side, _) = l.accept().await.expect("accept");
+        assert_eq!(
+            early_data(&proxy_side).expect("read"),
+            None,
+            "nothing sent yet"
+        );
+        app.write_all(b"GET / HTTP/1.1\r\n\r\n")
+            .await
+            .expect("write");
+        proxy_side.readable().await.expect("readable");
+        assert_eq!(
+            early_data(&proxy_side).expect("read").as_deref(),
+            Some(&b"GET / HTTP/1.1\r\n\r\n"[..])
+        );
+        app.shutdown().await.expect("fin");
+        read_closed(&proxy_side).await;
+        assert_eq!(
+            early_data(&proxy_side).expect("read"),
+            None,
+            "EOF is left to the relay"
+        );
+        let mut rest = [0u8; 1];
+        assert_eq!(
+            proxy_side.try_read(&mut rest).expect("eof"),
+            0,
+            "which finds it"
+        );
+    }
+
+    #[tokio::test]
+    async fn early_data_reports_a_reset_by_the_app() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let app = TcpStream::connect(l.local_addr().expect("addr"))
+            .await
+            .expect("connect");
+        let (proxy_side, _) = l.accept().await.expect("accept");
+        crate::proxy::socket::reset(app);
+        read_closed(&proxy_side).await;
+        let e = early_data(&proxy_side).expect_err("the reset");
+        assert_eq!(e.kind(), io::ErrorKind::ConnectionReset);
     }
 }

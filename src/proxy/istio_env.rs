@@ -174,8 +174,9 @@ pub struct IstioEnv {
     pub fake_ca: bool,
     /// `ISTIO_META_*` (prefix stripped) for the xDS node metadata.
     pub proxy_metadata: BTreeMap<String, String>,
-    /// `POOL_MAX_STREAMS_PER_CONNECTION` (1..=65535, a `u16` as in ztunnel; default 100) and
-    /// `POOL_UNUSED_RELEASE_TIMEOUT` (a duration, default `5m`): the outbound HBONE pool.
+    /// `POOL_MAX_STREAMS_PER_CONNECTION` (1..=65535, a `u16` as in ztunnel; default 100),
+    /// `POOL_UNUSED_RELEASE_TIMEOUT` (a duration, default `5m`) and `HBONE_EARLY_DATA` (ztnode's,
+    /// default true): the outbound HBONE pool.
     pub pool: PoolConfig,
     /// How long a shutdown lets open connections finish before closing them
     /// ([`termination_deadline`] of `CONNECTION_TERMINATION_DEADLINE` and
@@ -248,9 +249,14 @@ impl IstioEnv {
         // ztunnel falls back to its default when the value does not parse; ztnode says so
         // instead, as for SECRET_TTL.
         let release = duration("POOL_UNUSED_RELEASE_TIMEOUT", Duration::ZERO)?;
+        let early_data = match get("HBONE_EARLY_DATA").filter(|v| !v.is_empty()) {
+            None => true,
+            Some(_) => boolean("HBONE_EARLY_DATA")?,
+        };
         let pool = PoolConfig {
             max_streams_per_connection: max_streams,
             unused_release_timeout: release.unwrap_or(PoolConfig::default().unused_release_timeout),
+            early_data,
         };
         let fake_ca = boolean("FAKE_CA")?;
         let explicit_deadline = duration("CONNECTION_TERMINATION_DEADLINE", Duration::ZERO)?;
@@ -628,8 +634,12 @@ mod tests {
             PoolConfig {
                 max_streams_per_connection: 20,
                 unused_release_timeout: Duration::from_secs(90),
+                early_data: true,
             }
         );
+        let e = env(&[("HBONE_EARLY_DATA", "false")]).expect("env");
+        assert!(!e.pool.early_data);
+        assert!(env(&[("HBONE_EARLY_DATA", "sometimes")]).is_err());
         assert!(e.unsupported().is_empty(), "{:?}", e.unsupported());
         let e = env(&[
             ("POOL_MAX_STREAMS_PER_CONNECTION", ""),

@@ -52,6 +52,9 @@ pub enum OutboundError {
     /// Building the request failed.
     #[error("bad request: {0}")]
     Request(#[source] http::Error),
+    /// Reading the app's first bytes failed (it reset the connection before it was set up).
+    #[error("reading the app's first bytes: {0}")]
+    Early(#[source] std::io::Error),
 }
 
 impl OutboundError {
@@ -148,7 +151,20 @@ async fn setup(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) -> Option
                 dst: hbone.identity,
                 addr: hbone.addr,
             };
-            let early = copy::early_data(&tcp);
+            // Only to a pod's own HBONE port: a waypoint (Envoy) may refuse a CONNECT whose data
+            // came before its response (`reject_connect_request_early_data`).
+            let early = if pod.pool.config().early_data && hbone.addr.ip() == hbone.authority.ip() {
+                match copy::early_data(&tcp) {
+                    Ok(early) => early,
+                    Err(e) => {
+                        log.failed(metrics, ResponseFlags::Connect, &OutboundError::Early(e));
+                        crate::proxy::socket::reset(tcp);
+                        return None;
+                    }
+                }
+            } else {
+                None
+            };
             let early_len = early.as_ref().map_or(0, |b| b.len() as u64);
             let connect = connect_hbone(
                 &pod,

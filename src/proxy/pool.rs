@@ -72,6 +72,10 @@ pub struct PoolConfig {
     /// How long a connection without streams is kept (`POOL_UNUSED_RELEASE_TIMEOUT`, default
     /// [`POOL_UNUSED_RELEASE_TIMEOUT`]).
     pub unused_release_timeout: Duration,
+    /// Whether an outbound connection to a pod's own HBONE port sends the app's first bytes with
+    /// its CONNECT ([`Pool::send_request_with`]; `HBONE_EARLY_DATA`, a ztnode setting, default
+    /// true).
+    pub early_data: bool,
 }
 
 impl Default for PoolConfig {
@@ -79,6 +83,7 @@ impl Default for PoolConfig {
         PoolConfig {
             max_streams_per_connection: MAX_STREAMS_PER_CONNECTION,
             unused_release_timeout: POOL_UNUSED_RELEASE_TIMEOUT,
+            early_data: true,
         }
     }
 }

@@ -28,13 +28,24 @@ pub(super) fn percentile(sorted: &[f64], p: f64) -> f64 {
 
 /// Resident set size of the process `pid`, KiB.
 pub(super) fn rss_kib(pid: u32) -> anyhow::Result<u64> {
+    status_kib(pid, "VmRSS:")
+}
+
+/// The anonymous part of [`rss_kib`] (heap, stacks, relocated data; not the binary's and
+/// libraries' file pages), KiB.
+pub(super) fn rss_anon_kib(pid: u32) -> anyhow::Result<u64> {
+    status_kib(pid, "RssAnon:")
+}
+
+/// A `/proc/<pid>/status` line's value in KiB (`field` with its colon).
+fn status_kib(pid: u32, field: &str) -> anyhow::Result<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
     status
         .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .find_map(|l| l.strip_prefix(field))
         .and_then(|v| v.split_whitespace().next())
         .and_then(|v| v.parse().ok())
-        .context("no VmRSS")
+        .with_context(|| format!("no {field} in /proc/{pid}/status"))
 }
 
 /// CPU time (user + system) the process `pid` has used, seconds (`/proc/<pid>/stat` fields 14
