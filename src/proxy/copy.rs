@@ -818,13 +818,7 @@ mod tests {
 
     #[tokio::test]
     async fn early_data_takes_what_the_app_sent_without_waiting() {
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let mut app = TcpStream::connect(l.local_addr().expect("addr"))
-            .await
-            .expect("connect");
-        let (proxy_side, _) = l.accept().await.expect("accept");
+        let (mut app, proxy_side) = tcp_pair().await;
         assert_eq!(
             early_data(&proxy_side).expect("read"),
             None,
@@ -855,13 +849,7 @@ mod tests {
 
     #[tokio::test]
     async fn early_data_reports_a_reset_by_the_app() {
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let app = TcpStream::connect(l.local_addr().expect("addr"))
-            .await
-            .expect("connect");
-        let (proxy_side, _) = l.accept().await.expect("accept");
+        let (app, proxy_side) = tcp_pair().await;
         crate::proxy::socket::reset(app);
         read_closed(&proxy_side).await;
         let e = early_data(&proxy_side).expect_err("the reset");

@@ -250,28 +250,16 @@ pub(super) fn run(opts: &BenchOptions, peer: &Path) -> anyhow::Result<()> {
         cni_version: "1.0.0".into(),
     })?;
     let ip = |n: u8| std::net::IpAddr::from([10, 251, 0, n]);
+    let workloads = [
+        ("m-client", "bench", "m-client", ip(4)),
+        ("m-server", "bench", "m-server", ip(5)),
+    ];
     let config = lab.dir().join("local-config.yaml");
-    std::fs::write(
-        &config,
-        local_config(
-            lab.node_name(),
-            &[
-                ("m-client", "bench", "m-client", ip(4)),
-                ("m-server", "bench", "m-server", ip(5)),
-            ],
-        ),
-    )?;
+    std::fs::write(&config, local_config(lab.node_name(), &workloads))?;
     let plain_config = lab.dir().join("local-config-plain.yaml");
     std::fs::write(
         &plain_config,
-        local_config_with_protocol(
-            lab.node_name(),
-            &[
-                ("m-client", "bench", "m-client", ip(4)),
-                ("m-server", "bench", "m-server", ip(5)),
-            ],
-            "TCP",
-        ),
+        local_config_with_protocol(lab.node_name(), &workloads, "TCP"),
     )?;
     let zds = run_dir.join("ztunnel.sock");
     let lab_ctx = Ctx {
