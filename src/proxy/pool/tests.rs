@@ -409,20 +409,22 @@ async fn body_of(s: PooledStream) -> Vec<u8> {
     got
 }
 
+/// A CONNECT to `bob` with `early` data, answered within 5 s (an [`Peer::EarlyEcho`] peer answers
+/// only once the early data arrived).
+async fn open_with_early(pool: &Pool<FakeConnector>, early: &'static [u8]) -> PooledStream {
+    tokio::time::timeout(
+        Duration::from_secs(5),
+        pool.send_request_with(&key("bob"), connect_req(), Some(Bytes::from_static(early))),
+    )
+    .await
+    .expect("answered: the early data arrived before the response")
+    .expect("stream")
+}
+
 #[tokio::test]
 async fn early_data_reaches_the_peer_before_the_response() {
     let pool = pool(&[Peer::EarlyEcho]);
-    let s = tokio::time::timeout(
-        Duration::from_secs(5),
-        pool.send_request_with(
-            &key("bob"),
-            connect_req(),
-            Some(Bytes::from_static(b"hello")),
-        ),
-    )
-    .await
-    .expect("the peer answers only once the early data arrived")
-    .expect("stream");
+    let s = open_with_early(&pool, b"hello").await;
     assert_eq!(s.response.status(), 200);
     assert_eq!(body_of(s).await, b"hello");
 }
@@ -430,17 +432,7 @@ async fn early_data_reaches_the_peer_before_the_response() {
 #[tokio::test]
 async fn a_retried_stream_carries_the_early_data_again() {
     let pool = pool(&[Peer::Refuse, Peer::EarlyEcho]);
-    let s = tokio::time::timeout(
-        Duration::from_secs(5),
-        pool.send_request_with(
-            &key("bob"),
-            connect_req(),
-            Some(Bytes::from_static(b"again")),
-        ),
-    )
-    .await
-    .expect("answered")
-    .expect("stream after the retry");
+    let s = open_with_early(&pool, b"again").await;
     assert_eq!(
         pool.connector.dials(),
         2,
