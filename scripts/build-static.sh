@@ -6,7 +6,12 @@ cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
 if command -v musl-gcc >/dev/null 2>&1 && rustup target list --installed 2>/dev/null | grep -q x86_64-unknown-linux-musl; then
   if CC_x86_64_unknown_linux_musl=musl-gcc cargo build --release --locked --target x86_64-unknown-linux-musl >&2; then
-    echo "$CARGO_TARGET_DIR/x86_64-unknown-linux-musl/release/ztnode"
+    bin="$CARGO_TARGET_DIR/x86_64-unknown-linux-musl/release/ztnode"
+    # build.rs links with rust-lld and layout/symbol-order.txt (the code layout)
+    if command -v readelf >/dev/null && ! readelf -p .comment "$bin" | grep -q LLD; then
+      echo "build-static: not linked with rust-lld: the default code layout (more idle RSS)" >&2
+    fi
+    echo "$bin"
     exit 0
   fi
   echo "build-static: musl build failed, falling back to glibc +crt-static" >&2

@@ -233,7 +233,8 @@ enum Cmd {
         /// JSON report path.
         #[arg(long, default_value = "bench.json")]
         json: PathBuf,
-        /// Seconds to keep the lab up before measuring (to attach a profiler).
+        /// Seconds to keep the lab up before measuring (to attach a profiler); with `--peer`,
+        /// before each proxy's figures.
         #[arg(long, default_value_t = 0)]
         hold: u64,
         /// Run only these sections (comma-separated); all when omitted.

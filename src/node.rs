@@ -42,6 +42,7 @@ use crate::proxy::state::{self, Protocol, StateHandle};
 use crate::proxy::xds::{self, XdsConfig};
 use crate::proxy::{self, ProxyConfig};
 use crate::ready::Readiness;
+use crate::runtime::image;
 use crate::runtime::stopped;
 use crate::zds::server::ZdsServer;
 use crate::zds::{self, WorkloadInfo};
@@ -160,6 +161,7 @@ pub async fn run(
     .await?;
     let _ = pods.set(agent.pods.clone());
     agent_started.done();
+    tokio::spawn(image::release_when_ready(ready.clone()));
 
     if !stopped_early {
         tokio::select! {
@@ -220,6 +222,7 @@ pub async fn run_agent(
         stopped(stop_rx),
     )
     .await?;
+    tokio::spawn(image::release_when_ready(ready.clone()));
 
     if !stopped_early {
         shutdown.await;
@@ -263,6 +266,7 @@ pub async fn run_proxy(
         admin_stop_rx,
     )
     .await?;
+    tokio::spawn(image::release_when_ready(ready.clone()));
     // On shutdown the ZDS connection closes first (ztunnel stops reading on drain): the agent
     // sends new pods to the proxy that replaces this one.
     let res = tokio::select! {

@@ -26,6 +26,8 @@ struct Inner {
     next: AtomicU64,
     /// Pending tasks: id → name.
     pending: Mutex<BTreeMap<u64, String>>,
+    /// Woken whenever a task turns ready.
+    changed: tokio::sync::Notify,
 }
 
 /// One registered task. Dropping it leaves its state as it is (a task that never finished stays
@@ -68,6 +70,19 @@ impl Readiness {
         self.pending().is_empty()
     }
 
+    /// Resolves once no task is pending (at once if none is).
+    pub async fn wait_ready(&self) {
+        loop {
+            let changed = self.inner.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if self.is_ready() {
+                return;
+            }
+            changed.await;
+        }
+    }
+
     fn pending(&self) -> MutexGuard<'_, BTreeMap<u64, String>> {
         self.inner.pending.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -78,7 +93,9 @@ impl Task {
     pub fn set_ready(&self, ready: bool) {
         let mut pending = self.ready.pending();
         if ready {
-            pending.remove(&self.id);
+            if pending.remove(&self.id).is_some() {
+                self.ready.inner.changed.notify_waiters();
+            }
         } else {
             pending.insert(self.id, self.name.clone());
         }
@@ -139,6 +156,26 @@ mod tests {
         assert_eq!(r.pending_tasks(), ["plugin socket"]);
         drop(socket);
         assert!(!r.is_ready(), "dropping a pending task keeps it pending");
+    }
+
+    #[tokio::test]
+    async fn wait_ready_resolves_when_the_last_task_is_done() {
+        let r = Readiness::new();
+        r.wait_ready().await;
+        let config = r.register("local config");
+        let socket = r.register("plugin socket");
+        let waiter = tokio::spawn({
+            let r = r.clone();
+            async move { r.wait_ready().await }
+        });
+        config.done();
+        tokio::task::yield_now().await;
+        assert!(!waiter.is_finished(), "one task is still pending");
+        socket.set_ready(true);
+        tokio::time::timeout(Duration::from_secs(5), waiter)
+            .await
+            .expect("ready once the last task is done")
+            .expect("waiter");
     }
 
     #[tokio::test(start_paused = true)]

@@ -1,6 +1,6 @@
 //! Process set-up shared by the long-running roles: logging, the tokio runtime (with the heap
 //! trim that returns freed memory to the OS), the file-descriptor limit and the shutdown signal.
-//! Logging is [`logging`].
+//! Logging is [`logging`]; releasing the executable's start-up pages once ready is [`image`].
 
 use std::time::Duration;
 
@@ -10,6 +10,7 @@ pub const DEFAULT_WORKER_THREADS: usize = 2;
 /// How often the heap-trim timer task collects: mimalloc's purge delay (`purge_delay`, 1 s).
 pub const HEAP_TRIM_INTERVAL: Duration = Duration::from_secs(1);
 
+pub mod image;
 pub mod logging;
 pub mod socket_file;
 

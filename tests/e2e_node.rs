@@ -41,6 +41,12 @@ fn pods_talk_over_hbone_with_identities_and_real_source_ip() {
         return;
     }
     let node = MeshNode::start(&common::prefix("e2a"));
+    // once ready the node unmaps its binary's start-up pages; all that follows runs after it
+    let released = node.wait_log(
+        &["released the start-up pages of the executable"],
+        Duration::from_secs(10),
+    );
+    assert!(!released.contains("kib=0"), "{released}");
     // enrollment: rules in both mesh pods, none in the outsider
     for pod in [&node.client, &node.server] {
         let rules = MeshNode::ruleset(pod);

@@ -315,6 +315,15 @@ pub(super) fn run(opts: &BenchOptions, peer: &Path) -> anyhow::Result<()> {
                 )
             })?;
             eprintln!("bench: round {}/{rounds}, {}", round + 1, proxy.name());
+            if !opts.hold.is_zero() {
+                eprintln!(
+                    "bench: holding {:?}: {} pid {}",
+                    opts.hold,
+                    proxy.name(),
+                    process.0.id()
+                );
+                std::thread::sleep(opts.hold);
+            }
             measure_round(opts, &pods, process.0.id(), proxy, &mut figs)?;
             running = Some((proxy, process));
         }
