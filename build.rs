@@ -4,7 +4,10 @@
 //! Code layout: a release build for a musl target links the binary with the toolchain's
 //! `rust-lld` and `layout/symbol-order.txt` (`--symbol-ordering-file`), which puts the functions
 //! the running proxy uses next to each other, then the start-up ones (see that file's header and
-//! `scripts/symbol-order.sh`). Without `rust-lld` the default linker is used and a warning says so.
+//! `scripts/symbol-order.sh`). The file names the symbols of one toolchain, `Cargo.lock` and
+//! profile; another build's missing ones are skipped (default order for them). Without `rust-lld`,
+//! with a linker configured for the target (`RUSTC_LINKER`, maybe not a `cc` driver that takes
+//! `-fuse-ld`), or with `ZTNODE_CODE_LAYOUT=off`, the default link is used and a warning says so.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -29,18 +32,30 @@ fn rust_lld_dir() -> Option<PathBuf> {
 
 /// Links the release binary of a musl target with [`SYMBOL_ORDER`] (module docs).
 fn code_layout() {
+    println!("cargo:rerun-if-env-changed=ZTNODE_CODE_LAYOUT");
     let target = std::env::var("TARGET").unwrap_or_default();
     let release = std::env::var("PROFILE").is_ok_and(|p| p == "release");
     if !(release && target.contains("linux-musl")) {
         return;
     }
+    if std::env::var("ZTNODE_CODE_LAYOUT").is_ok_and(|v| v == "off") {
+        return;
+    }
+    if std::env::var_os("RUSTC_LINKER").is_some() {
+        println!("cargo:warning=a linker is configured for {target}: default code layout");
+        return;
+    }
     let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap_or_default());
     let order = root.join(SYMBOL_ORDER);
+    // the directory, not the file: a file named here that does not exist would rerun the script
+    // (and relink) on every build, and a directory that appears later is seen
+    if let Some(dir) = Path::new(SYMBOL_ORDER).parent() {
+        println!("cargo:rerun-if-changed={}", dir.display());
+    }
     if !Path::new(&order).is_file() {
         println!("cargo:warning={SYMBOL_ORDER} missing: default code layout");
         return;
     }
-    // (a missing file named here would rerun the script, and relink, on every build)
     println!("cargo:rerun-if-changed={SYMBOL_ORDER}");
     let Some(lld) = rust_lld_dir() else {
         println!("cargo:warning=no rust-lld in the toolchain: default code layout");

@@ -10,6 +10,14 @@ if command -v musl-gcc >/dev/null 2>&1 && rustup target list --installed 2>/dev/
     # build.rs links with rust-lld and layout/symbol-order.txt (the code layout)
     if command -v readelf >/dev/null && ! readelf -p .comment "$bin" | grep -q LLD; then
       echo "build-static: not linked with rust-lld: the default code layout (more idle RSS)" >&2
+    elif command -v nm >/dev/null && [ -f layout/symbol-order.txt ]; then
+      listed="$(grep -vc '^#' layout/symbol-order.txt)"
+      found="$(comm -12 <(grep -v '^#' layout/symbol-order.txt | sort -u) \
+        <(nm -p --defined-only "$bin" | awk '{print $NF}' | sort -u) | wc -l)"
+      if [ "$((found * 2))" -lt "$listed" ]; then
+        echo "build-static: this build has only $found of the $listed symbols layout/symbol-order.txt" \
+          "orders (another toolchain, Cargo.lock or profile): run scripts/symbol-order.sh" >&2
+      fi
     fi
     echo "$bin"
     exit 0

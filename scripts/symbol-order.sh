@@ -12,25 +12,35 @@ cd "$(dirname "$0")/.."
 conns="${1:-30}"
 prefix=zso
 lab="/tmp/ztnode-lab-$prefix"
+for tool in python3 nm callgrind_control ip; do
+  command -v "$tool" >/dev/null || { echo "symbol-order: needs $tool (valgrind, binutils, iproute2)" >&2; exit 1; }
+done
+bin="$(./scripts/build-static.sh | tail -1)"
+case "$bin" in
+  */x86_64-unknown-linux-musl/*) ;;
+  *) echo "symbol-order: the layout is for the musl release build; got $bin" >&2; exit 1 ;;
+esac
 work="$(mktemp -d)"
-command -v valgrind >/dev/null || apt-get install -y valgrind >/dev/null
-bin="$(CARGO_PROFILE_RELEASE_STRIP=none ./scripts/build-static.sh | tail -1)"
-cp "$bin" "$work/ztnode"
-bin="$work/ztnode"
-
+pids=()
 cleanup() {
-  pkill -f "$work/" 2>/dev/null || true
+  set +e
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
+  pkill -f "$work/" 2>/dev/null
   sleep 1
-  pkill -9 -f "$work/" 2>/dev/null || true
-  for ns in $(ip netns list | awk '{print $1}' | grep "^$prefix-" || true); do ip netns del "$ns"; done
+  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; done
+  pkill -9 -f "$work/" 2>/dev/null
+  for ns in $(ip netns list | awk '{print $1}' | grep "^$prefix-"); do ip netns del "$ns"; done
   rm -rf "$lab"
   if [ -n "${KEEP:-}" ]; then echo "symbol-order: kept $work" >&2; else rm -rf "$work"; fi
 }
 trap cleanup EXIT
+cp "$bin" "$work/ztnode"
+bin="$work/ztnode"
 
 # the peer is never started: the run ends during the hold of its first (ztnode) round
 "$bin" bench --peer "$bin" --rounds 1 --hold 3600 --lab-prefix "$prefix" --json "$work/bench.json" \
   2>"$work/bench.log" &
+pids+=($!)
 for _ in $(seq 900); do grep -q "holding" "$work/bench.log" 2>/dev/null && break; sleep 0.2; done
 pid="$(sed -n 's/.*ztnode pid \([0-9]*\).*/\1/p' "$work/bench.log" | head -1)"
 [ -n "$pid" ] || { cat "$work/bench.log"; echo "symbol-order: the lab did not come up" >&2; exit 1; }
@@ -48,6 +58,7 @@ serving() {
 INPOD_UDS="$uds" RUST_LOG=warn ip netns exec "$prefix-node" valgrind --tool=callgrind \
   --dump-instr=no --callgrind-out-file="$work/cg.out" "$bin" "${args[@]:1}" 2>"$work/valgrind.log" &
 vg=$! # `ip netns exec` execs valgrind: the same process
+pids+=("$vg")
 dump() { # $1: the dump's number
   callgrind_control -d "$vg" >/dev/null
   for _ in $(seq 100); do [ -s "$work/cg.out.$1" ] && return; sleep 0.1; done
@@ -71,7 +82,7 @@ def echo(c):
 while True:
     c, _ = s.accept(); threading.Thread(target=echo, args=(c,), daemon=True).start()
 EOF
-echo_pid=$!
+pids+=($!)
 sleep 1
 ip netns exec "$prefix-m-client" python3 - "$server_ip" "$conns" <<'EOF'
 import socket, sys
@@ -88,7 +99,6 @@ for _ in range(n):
     exchange(1024)
 exchange(16 << 20)
 EOF
-kill "$echo_pid" 2>/dev/null || true
 sleep 1
 dump 2 # running
 

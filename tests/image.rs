@@ -49,7 +49,10 @@ fn build_context_is_what_the_containerfile_copies() -> Result<()> {
     let file = read("Containerfile")?;
     let copied: BTreeSet<String> = copied_paths(&file).into_iter().collect();
     ensure!(
-        copied == BTreeSet::from(["Cargo.toml", "Cargo.lock", "build.rs", "src"].map(String::from)),
+        copied
+            == BTreeSet::from(
+                ["Cargo.toml", "Cargo.lock", "build.rs", "layout", "src"].map(String::from)
+            ),
         "COPY takes {copied:?}"
     );
     let ignore = patterns(".containerignore")?;

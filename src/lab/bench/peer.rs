@@ -11,7 +11,8 @@
 //!
 //! Per round and proxy: iperf3 throughput of 1 and 8 streams with the proxy's CPU time per GB
 //! carried, connections per second (connect + 1 KiB round trip + close) with the p99 time per
-//! connection, the 1 KiB round trip the mesh adds over the direct pair (p99(mesh) − p99(direct)
+//! connection (again with idle CPUs polling, [`PollingIdle`], when the machine has that state: the
+//! share of the rate that is the VM's cost of waking a halted CPU), the 1 KiB round trip the mesh adds over the direct pair (p99(mesh) − p99(direct)
 //! for the p99; all threads on one CPU, and unpinned), and the proxy's RSS idle (read first) and
 //! per held idle connection. CPU time is the proxy process's user + system time: kernel work in
 //! softirq or kernel threads (TCP) is not in it; both proxies protect records in user space. The report gives each
@@ -26,7 +27,7 @@ use serde_json::json;
 
 use super::measure::{self, conn_rate_timed, cpu_seconds, iperf, settle_rss};
 use super::options::BenchOptions;
-use super::placement::Placement;
+use super::placement::{Placement, PollingIdle};
 use crate::lab::node::{
     Lab, LabOptions, Pod, ProcessGuard, local_config, local_config_with_protocol,
 };
@@ -225,6 +226,14 @@ fn figures() -> Vec<Figure> {
             "rss_idle_anon_mib",
             "MiB",
             false,
+            None,
+        ),
+        // how much of the connection rate is this VM's cost of waking a halted CPU
+        Figure::new(
+            "conn/s, idle CPUs polling",
+            "conn_per_sec_polling_idle",
+            "conn/s",
+            true,
             None,
         ),
     ]
@@ -474,6 +483,11 @@ fn measure_round(
     let rate = conn_rate_timed(m_client, m_server, Duration::from_secs(secs))?;
     figs[4].push(proxy, rate.per_sec);
     figs[5].push(proxy, measure::percentile(&rate.each_ms, 0.99));
+    if PollingIdle::check().is_ok() {
+        let _polling = PollingIdle::hold()?;
+        let rate = conn_rate_timed(m_client, m_server, Duration::from_secs(secs))?;
+        figs[13].push(proxy, rate.per_sec);
+    }
     for (i, placement) in [(6usize, Placement::OneCpu), (8, Placement::Free)] {
         let l = measure::latency(
             [d_client, d_server, m_client, m_server],
