@@ -12,11 +12,12 @@
 //! Per round and proxy: iperf3 throughput of 1 and 8 streams with the proxy's CPU time per GB
 //! carried, connections per second (connect + 1 KiB round trip + close) with the p99 time per
 //! connection (again with idle CPUs polling, [`PollingIdle`], when the machine has that state: the
-//! share of the rate that is the VM's cost of waking a halted CPU), the 1 KiB round trip the mesh adds over the direct pair (p99(mesh) − p99(direct)
-//! for the p99; all threads on one CPU, and unpinned), and the proxy's RSS idle (read first) and
-//! per held idle connection. CPU time is the proxy process's user + system time: kernel work in
-//! softirq or kernel threads (TCP) is not in it; both proxies protect records in user space. The report gives each
-//! figure's mean per proxy, the ratio ztnode / peer, and the target for it; JSON too.
+//! share of the rate that is the VM's cost of waking a halted CPU), the 1 KiB round trip the mesh
+//! adds over the direct pair (p99(mesh) − p99(direct) for the p99; all threads on one CPU, and
+//! unpinned), and the proxy's RSS idle (read first) and per held idle connection. CPU time is the
+//! proxy process's user + system time: kernel work in softirq or kernel threads (TCP) is not in
+//! it; both proxies protect records in user space. The report gives each figure's mean per proxy,
+//! the ratio ztnode / peer, and the target for it; JSON too.
 
 use std::path::Path;
 use std::process::{Command, Stdio};
