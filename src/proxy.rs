@@ -30,6 +30,7 @@ pub mod outbound;
 pub mod pod;
 pub mod pool;
 pub mod route;
+pub mod scope;
 pub mod socket;
 pub mod state;
 pub mod task;

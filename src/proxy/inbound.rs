@@ -20,7 +20,6 @@ use h2::server::SendResponse;
 use http::{Request, Response, StatusCode};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
-use tokio::task::JoinSet;
 
 use crate::mesh::NEVER_TARGET_PORTS;
 use crate::proxy::accesslog::ConnectionLog;
@@ -32,6 +31,7 @@ use crate::proxy::live::Revocable;
 use crate::proxy::metrics::Direction;
 use crate::proxy::metrics::labels::{self, ResponseFlags};
 use crate::proxy::pod::PodProxy;
+use crate::proxy::scope::TaskScope;
 use crate::proxy::socket::{self, SocketError};
 use crate::proxy::task::{self, ClientSide, Logged, ServerSide};
 
@@ -121,7 +121,8 @@ pub async fn handle_hbone(pod: Arc<PodProxy>, tcp: TcpStream, peer: SocketAddr) 
 }
 
 /// Accepts the CONNECT streams of one HBONE connection and runs `on_stream` for each in a task of
-/// a [`JoinSet`] owned here, so ending (or aborting) this future ends every stream of the connection.
+/// a [`TaskScope`] owned here, so ending (or aborting) this future ends every stream of the
+/// connection.
 ///
 /// Sends a PING every 10 s and drops the connection (and its streams) when no PONG arrives within
 /// 20 s, as ztunnel's server does (`../shared/spec/ztunnel.md` §3). When `drain` resolves (the
@@ -139,7 +140,7 @@ pub async fn serve_streams<T, F, Fut>(
     F: FnMut(Request<h2::RecvStream>, SendResponse<Bytes>) -> Fut,
     Fut: Future<Output = ()> + Send + 'static,
 {
-    let mut streams = JoinSet::new();
+    let mut streams = TaskScope::new();
     let keepalive = hbone::keepalive(conn.ping_pong());
     tokio::pin!(keepalive);
     tokio::pin!(drain);
@@ -161,7 +162,6 @@ pub async fn serve_streams<T, F, Fut>(
                 }
                 None => break,
             },
-            Some(_) = streams.join_next(), if !streams.is_empty() => {}
             () = &mut keepalive => {
                 tracing::warn!(src.addr = %peer, "HBONE keepalive timed out, dropping connection");
                 conn.abrupt_shutdown(h2::Reason::NO_ERROR);
@@ -170,7 +170,7 @@ pub async fn serve_streams<T, F, Fut>(
         }
     }
     drop(conn);
-    while streams.join_next().await.is_some() {}
+    streams.wait_empty().await;
 }
 
 fn refuse(respond: &mut SendResponse<Bytes>, code: StatusCode) {

@@ -35,6 +35,7 @@ use crate::proxy::identity::{CertManager, Identity, IdentityError};
 use crate::proxy::live::PolicyWatcher;
 use crate::proxy::pod::{PodProxy, ProxyContext};
 use crate::proxy::pool::Pool;
+use crate::proxy::scope::TaskScope;
 use crate::proxy::socket::{PodSockets, SocketError};
 use crate::proxy::state::Workload;
 use crate::proxy::{dns, inbound, outbound, tls};
@@ -498,9 +499,9 @@ struct Listeners {
 }
 
 /// Accepts on the three listeners and serves the pod's DNS proxy ([`dns::serve`]) when it has one;
-/// connection tasks live in a JoinSet so aborting this task ends them. Accepted sockets inherit
-/// TCP_NODELAY and TCP keepalive from the listeners ([`tune_listener`]); the outbound pool is
-/// swept every [`PoolConfig::sweep_interval`](crate::proxy::pool::PoolConfig::sweep_interval);
+/// connection tasks live in a [`TaskScope`] so aborting this task ends them. Accepted sockets
+/// inherit TCP_NODELAY and TCP keepalive from the listeners ([`tune_listener`]); the outbound pool
+/// is swept every [`PoolConfig::sweep_interval`](crate::proxy::pool::PoolConfig::sweep_interval);
 /// open inbound connections are re-checked when the policies change ([`PolicyWatcher`]).
 ///
 /// Once the pod's drain starts ([`PodProxy::drain`]) the listeners and the DNS proxy close, the
@@ -512,7 +513,7 @@ async fn serve(pod: Arc<PodProxy>, listeners: Listeners) {
         hbone: hbone_l,
         dns: dns_l,
     } = listeners;
-    let mut conns = JoinSet::new();
+    let mut conns = TaskScope::new();
     let mut dns_task = JoinSet::new();
     if let (Some(listeners), Some(d)) = (dns_l, pod.ctx.dns.clone()) {
         dns_task.spawn(dns::serve(pod.clone(), d, listeners));
@@ -549,7 +550,6 @@ async fn serve(pod: Arc<PodProxy>, listeners: Listeners) {
                 }
                 Err(e) => accept_backoff(e).await,
             },
-            Some(_) = conns.join_next(), if !conns.is_empty() => {}
             _ = sweep.tick() => {
                 pod.pool.sweep();
             }
@@ -567,9 +567,7 @@ async fn serve(pod: Arc<PodProxy>, listeners: Listeners) {
             () = policies.changed() => {
                 policies.recheck();
             }
-            next = conns.join_next() => if next.is_none() {
-                break;
-            },
+            () = conns.wait_empty() => break,
         }
     }
     tracing::info!("pod proxy drained");

@@ -314,14 +314,21 @@ pub(crate) mod size {
     /// `tokio_unstable`, read with `-Zprint-type-sizes`).
     pub(crate) const MAX_TASK_FUTURE: usize = 408;
 
-    /// The size of what `f` returns, without calling it.
-    pub(crate) fn returned3<A, B, C, R>(_: fn(A, B, C) -> R) -> usize {
-        std::mem::size_of::<R>()
+    use std::future::Future;
+
+    use crate::proxy::scope::spawned_size;
+
+    /// The size of the future a [`TaskScope`](crate::proxy::scope::TaskScope) member spawned
+    /// with what `f` returns runs, without calling `f`.
+    pub(crate) fn returned3<A, B, C, R: Future<Output = ()>>(_: fn(A, B, C) -> R) -> usize {
+        spawned_size::<R>()
     }
 
     /// [`returned3`] for five arguments.
-    pub(crate) fn returned5<A, B, C, D, E, R>(_: fn(A, B, C, D, E) -> R) -> usize {
-        std::mem::size_of::<R>()
+    pub(crate) fn returned5<A, B, C, D, E, R: Future<Output = ()>>(
+        _: fn(A, B, C, D, E) -> R,
+    ) -> usize {
+        spawned_size::<R>()
     }
 
     #[test]
