@@ -98,8 +98,9 @@ impl TaskScope {
     }
 
     /// Spawns `task` (`tokio::spawn`: must be called within a runtime) as a member. A panic in
-    /// it ends only that task, as with `JoinSet`. `&mut`: one spawner at a time, so that the slot
-    /// reserved here is still this task's when its handle is stored (or gone, if it ended).
+    /// it ends only that task, as with `JoinSet`, where panics unwind (tests; the release profile
+    /// aborts the process). `&mut`: one spawner at a time, so that the slot reserved here is still
+    /// this task's when its handle is stored (or gone, if it ended).
     pub fn spawn<F>(&mut self, task: F)
     where
         F: Future<Output = ()> + Send + 'static,
