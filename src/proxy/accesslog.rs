@@ -23,7 +23,7 @@ use prometheus_client::metrics::gauge::Gauge;
 
 use crate::proxy::identity::Identity;
 use crate::proxy::metrics::labels::{ResponseFlags, SecurityPolicy, TrafficLabels};
-use crate::proxy::metrics::{ByteCounts, Direction, Metrics};
+use crate::proxy::metrics::{ByteCounts, Direction, Metrics, Series};
 use crate::proxy::state::Workload;
 
 /// One access-log event at `level` with the [`Fields`] `f`, then `rest` (more fields, message).
@@ -59,8 +59,9 @@ pub struct ConnectionLog(Box<Record>);
 
 #[derive(Debug)]
 struct Record {
-    /// Shared with every connection of the same labels ([`Metrics::intern`]).
-    labels: Arc<TrafficLabels>,
+    /// The labels and their counters, shared with every connection of the same labels
+    /// ([`Metrics::intern`]).
+    series: Arc<Series>,
     src: SocketAddr,
     src_workload: Option<Arc<Workload>>,
     dst: SocketAddr,
@@ -82,9 +83,14 @@ fn workload_name(w: Option<&Workload>, labels_service: Option<&str>) -> Option<S
 impl ConnectionLog {
     /// Starts a record of a connection from `src` to `dst` (not counted yet: see
     /// [`ConnectionLog::opened`]).
-    pub fn new(direction: Direction, src: SocketAddr, dst: SocketAddr) -> ConnectionLog {
+    pub fn new(
+        metrics: &Metrics,
+        direction: Direction,
+        src: SocketAddr,
+        dst: SocketAddr,
+    ) -> ConnectionLog {
         ConnectionLog(Box::new(Record {
-            labels: Arc::new(TrafficLabels::new(direction, false)),
+            series: metrics.undescribed(direction),
             src,
             src_workload: None,
             dst,
@@ -105,23 +111,23 @@ impl ConnectionLog {
         dst: Option<Arc<Workload>>,
     ) {
         let r = &mut *self.0;
-        r.labels = metrics.intern(labels);
+        r.series = metrics.intern(labels);
         r.src_workload = src;
         r.dst_workload = dst;
     }
 
     /// Sets the `response_flags` the connection ends with (see [`ConnectionLog::finish`]).
-    pub fn set_flags(&mut self, flags: ResponseFlags) {
-        if self.0.labels.response_flags != flags {
-            let mut l = TrafficLabels::clone(&self.0.labels);
+    pub fn set_flags(&mut self, metrics: &Metrics, flags: ResponseFlags) {
+        if self.0.series.labels().response_flags != flags {
+            let mut l = self.0.series.labels().clone();
             l.response_flags = flags;
-            self.0.labels = Arc::new(l);
+            self.0.series = metrics.intern(l);
         }
     }
 
     /// The labels so far.
     pub fn labels(&self) -> &TrafficLabels {
-        &self.0.labels
+        self.0.series.labels()
     }
 
     /// Sets the address connected to (`dst.addr`).
@@ -135,11 +141,11 @@ impl ConnectionLog {
     }
 
     /// Counts the connection as opened (once) and logs "connection opened" (debug).
-    pub fn opened(&mut self, metrics: &Metrics) {
+    pub fn opened(&mut self) {
         if self.0.socket.is_some() {
             return;
         }
-        self.0.socket = Some(metrics.connection_opened(&self.0.labels));
+        self.0.socket = Some(self.0.series.connection_opened());
         if tracing::enabled!(target: "access", tracing::Level::DEBUG) {
             let f = Fields::of(&self.0);
             access_event!(tracing::Level::DEBUG, f, "connection opened");
@@ -155,11 +161,11 @@ impl ConnectionLog {
         bytes: ByteCounts,
         error: Option<&dyn std::fmt::Display>,
     ) {
-        self.opened(metrics);
-        if error.is_some() && self.0.labels.response_flags == ResponseFlags::None {
-            self.set_flags(ResponseFlags::Connect);
+        self.opened();
+        if error.is_some() && self.labels().response_flags == ResponseFlags::None {
+            self.set_flags(metrics, ResponseFlags::Connect);
         }
-        metrics.connection_closed(&self.0.labels, bytes);
+        self.0.series.connection_closed(bytes);
         let enabled = match error {
             None => tracing::enabled!(target: "access", tracing::Level::INFO),
             Some(_) => tracing::enabled!(target: "access", tracing::Level::ERROR),
@@ -168,7 +174,7 @@ impl ConnectionLog {
             // Nothing to format (the counters above are all a disabled log needs).
             return;
         }
-        let (bytes_sent, bytes_recv) = proxy_view(bytes, self.0.labels.reporter);
+        let (bytes_sent, bytes_recv) = proxy_view(bytes, self.labels().reporter);
         let duration = format!("{}ms", self.0.start.elapsed().as_millis());
         let f = Fields::of(&self.0);
         match error {
@@ -195,13 +201,13 @@ impl ConnectionLog {
     /// Ends a connection the proxy closed itself (its pod stopped, the drain deadline): logged as
     /// complete with `why` as its error, counted as closed with `bytes` and no failure flag (ztunnel
     /// counts a drained connection as closed, not failed).
-    pub fn finish_closed_by_proxy(mut self, metrics: &Metrics, bytes: ByteCounts, why: &str) {
-        self.opened(metrics);
-        metrics.connection_closed(&self.0.labels, bytes);
+    pub fn finish_closed_by_proxy(mut self, bytes: ByteCounts, why: &str) {
+        self.opened();
+        self.0.series.connection_closed(bytes);
         if !tracing::enabled!(target: "access", tracing::Level::INFO) {
             return;
         }
-        let (bytes_sent, bytes_recv) = proxy_view(bytes, self.0.labels.reporter);
+        let (bytes_sent, bytes_recv) = proxy_view(bytes, self.labels().reporter);
         let duration = format!("{}ms", self.0.start.elapsed().as_millis());
         let f = Fields::of(&self.0);
         access_event!(
@@ -223,12 +229,15 @@ impl ConnectionLog {
         flags: ResponseFlags,
         error: &dyn std::fmt::Display,
     ) {
-        self.opened(metrics);
-        self.set_flags(match flags {
-            ResponseFlags::None => ResponseFlags::Connect,
-            f => f,
-        });
-        metrics.connection_closed(&self.0.labels, ByteCounts::default());
+        self.opened();
+        self.set_flags(
+            metrics,
+            match flags {
+                ResponseFlags::None => ResponseFlags::Connect,
+                f => f,
+            },
+        );
+        self.0.series.connection_closed(ByteCounts::default());
         if !tracing::enabled!(target: "access", tracing::Level::WARN) {
             return;
         }
@@ -265,7 +274,7 @@ struct Fields {
 
 impl Fields {
     fn of(r: &Record) -> Fields {
-        let l = &r.labels;
+        let l = r.series.labels();
         let mtls = l.connection_security_policy == SecurityPolicy::MutualTls;
         let id = |p: &Option<Identity>| p.as_ref().filter(|_| mtls).map(ToString::to_string);
         let own = |v: &crate::proxy::metrics::labels::Value| v.get().map(str::to_owned);
@@ -329,8 +338,8 @@ pub(crate) mod tests {
 
     /// A record of a connection in `direction` from 10.0.0.1:5 to 10.0.0.2:80, counted as opened.
     pub(crate) fn opened(m: &Metrics, direction: Direction) -> ConnectionLog {
-        let mut log = ConnectionLog::new(direction, addr("10.0.0.1:5"), addr("10.0.0.2:80"));
-        log.opened(m);
+        let mut log = ConnectionLog::new(m, direction, addr("10.0.0.1:5"), addr("10.0.0.2:80"));
+        log.opened();
         log
     }
 
@@ -378,7 +387,12 @@ pub(crate) mod tests {
     #[test]
     fn a_failure_is_counted_opened_closed_and_failed_with_its_flag() {
         let m = Metrics::default();
-        let log = ConnectionLog::new(Direction::Inbound, addr("10.0.0.1:5"), addr("10.0.0.2:80"));
+        let log = ConnectionLog::new(
+            &m,
+            Direction::Inbound,
+            addr("10.0.0.1:5"),
+            addr("10.0.0.2:80"),
+        );
         let ((), logs) =
             capture_logs(|| log.failed(&m, ResponseFlags::Denied, &"denied by policy"));
         let text = m.render();
@@ -443,6 +457,7 @@ services:
         );
         let m = Metrics::default();
         let mut log = ConnectionLog::new(
+            &m,
             Direction::Outbound,
             addr("10.0.0.1:5"),
             addr("10.96.0.1:80"),

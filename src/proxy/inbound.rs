@@ -215,7 +215,7 @@ async fn stream_setup(
         peer_id,
     } = ends;
     let metrics = &pod.ctx.metrics;
-    let mut log = ConnectionLog::new(Direction::Inbound, peer, local);
+    let mut log = ConnectionLog::new(metrics, Direction::Inbound, peer, local);
     describe(
         &pod,
         &mut log,
@@ -232,7 +232,7 @@ async fn stream_setup(
         }
     };
     log.set_hbone_target(target);
-    log.opened(metrics);
+    log.opened();
     let conn = authz::Connection {
         src_identity: peer_id.as_ref(),
         src_ip: peer.ip(),
@@ -346,7 +346,7 @@ async fn plaintext_setup(
         }
     };
     let metrics = &pod.ctx.metrics;
-    let mut log = ConnectionLog::new(Direction::Inbound, peer, dst);
+    let mut log = ConnectionLog::new(metrics, Direction::Inbound, peer, dst);
     describe(&pod, &mut log, peer, None, dst);
     if NEVER_TARGET_PORTS.contains(&dst.port()) {
         log.failed(
@@ -368,7 +368,7 @@ async fn plaintext_setup(
         socket::reset(tcp);
         return None;
     }
-    log.opened(metrics);
+    log.opened();
     let conn = authz::Connection {
         src_identity: None,
         src_ip: peer.ip(),

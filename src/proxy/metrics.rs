@@ -21,7 +21,7 @@
 pub mod labels;
 
 use std::collections::HashMap;
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::{Arc, OnceLock, PoisonError, RwLock};
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -106,8 +106,10 @@ pub struct Metrics {
     sent: Family<TrafficLabels, Counter>,
     received: Family<TrafficLabels, Counter>,
     sockets_open: Family<SocketLabels, Gauge>,
-    /// One shared copy of each label set in use (see [`Metrics::intern`]).
-    interned: RwLock<HashMap<TrafficLabels, Arc<TrafficLabels>>>,
+    /// One shared [`Series`] per label set in use (see [`Metrics::intern`]).
+    interned: RwLock<HashMap<TrafficLabels, Arc<Series>>>,
+    /// The series of a connection not described yet, per direction ([`Metrics::undescribed`]).
+    undescribed: [OnceLock<Arc<Series>>; 2],
     /// The DNS proxy's metrics.
     pub dns: DnsMetrics,
     /// The in-pod workload manager's metrics.
@@ -164,50 +166,91 @@ impl Metrics {
         out
     }
 
-    /// The shared copy of `labels`: a connection keeps a pointer for its life instead of its own
-    /// label set (about 400 bytes and a dozen strings). Like the families, which keep every label
+    /// The shared [`Series`] of `labels`: a connection keeps a pointer for its life instead of
+    /// its own label set (about 400 bytes and a dozen strings), and counts into the series'
+    /// counters without looking its labels up in each family again (one label-set hash per
+    /// connection instead of one per counter it moves). Like the families, which keep every label
     /// set they counted, the table only grows.
-    pub fn intern(&self, labels: TrafficLabels) -> Arc<TrafficLabels> {
-        if let Some(l) = self
+    pub fn intern(&self, labels: TrafficLabels) -> Arc<Series> {
+        if let Some(s) = self
             .interned
             .read()
             .unwrap_or_else(PoisonError::into_inner)
             .get(&labels)
         {
-            return l.clone();
+            return s.clone();
         }
         self.interned
             .write()
             .unwrap_or_else(PoisonError::into_inner)
             .entry(labels.clone())
-            .or_insert_with(|| Arc::new(labels))
+            .or_insert_with(|| Arc::new(self.series(labels)))
             .clone()
     }
 
-    /// Counts a connection opened with `labels` and one more open socket, whose series it
-    /// returns (to decrement when the connection is gone).
-    pub fn connection_opened(&self, labels: &TrafficLabels) -> Gauge {
-        self.opened.get_or_create(labels).inc();
-        let socket = self.sockets_open.get_or_create_owned(&SocketLabels {
-            reporter: labels.reporter,
-        });
-        socket.inc();
-        socket
+    /// The series of a connection in `direction` that is not described yet (the labels
+    /// `TrafficLabels::new(direction, false)`), interned once.
+    pub fn undescribed(&self, direction: Direction) -> Arc<Series> {
+        let slot = match direction {
+            Direction::Outbound => &self.undescribed[0],
+            Direction::Inbound => &self.undescribed[1],
+        };
+        slot.get_or_init(|| self.intern(TrafficLabels::new(direction, false)))
+            .clone()
     }
 
-    /// Counts a connection with `labels` that ended after carrying `bytes` (closed, the byte
-    /// counters in the flipped convention of the module docs, and failed when its
-    /// `response_flags` say so).
-    pub fn connection_closed(&self, labels: &TrafficLabels, bytes: ByteCounts) {
-        self.closed.get_or_create(labels).inc();
-        self.sent
-            .get_or_create(labels)
-            .inc_by(bytes.server_to_client);
-        self.received
-            .get_or_create(labels)
-            .inc_by(bytes.client_to_server);
-        if labels.response_flags != ResponseFlags::None {
-            self.failed.get_or_create(labels).inc();
+    /// The counters of `labels` in every family (each created at zero if new).
+    fn series(&self, labels: TrafficLabels) -> Series {
+        Series {
+            opened: self.opened.get_or_create_owned(&labels),
+            closed: self.closed.get_or_create_owned(&labels),
+            failed: self.failed.get_or_create_owned(&labels),
+            sent: self.sent.get_or_create_owned(&labels),
+            received: self.received.get_or_create_owned(&labels),
+            socket: self.sockets_open.get_or_create_owned(&SocketLabels {
+                reporter: labels.reporter,
+            }),
+            labels,
+        }
+    }
+}
+
+/// The counters of one label set: handles to its series in each family of [`Metrics`] (a clone
+/// of a prometheus-client metric shares its value), so counting a connection needs no lookup.
+#[derive(Debug)]
+pub struct Series {
+    labels: TrafficLabels,
+    opened: Counter,
+    closed: Counter,
+    failed: Counter,
+    sent: Counter,
+    received: Counter,
+    /// `istio_tcp_sockets_open` of the labels' reporter.
+    socket: Gauge,
+}
+
+impl Series {
+    /// The label set.
+    pub fn labels(&self) -> &TrafficLabels {
+        &self.labels
+    }
+
+    /// Counts a connection opened and one more open socket, whose series it returns (to
+    /// decrement when the connection is gone).
+    pub fn connection_opened(&self) -> Gauge {
+        self.opened.inc();
+        self.socket.inc();
+        self.socket.clone()
+    }
+
+    /// Counts a connection that ended after carrying `bytes` (closed, the byte counters in the
+    /// flipped convention of the module docs, and failed when its `response_flags` say so).
+    pub fn connection_closed(&self, bytes: ByteCounts) {
+        self.closed.inc();
+        self.sent.inc_by(bytes.server_to_client);
+        self.received.inc_by(bytes.client_to_server);
+        if self.labels.response_flags != ResponseFlags::None {
+            self.failed.inc();
         }
     }
 }
@@ -300,7 +343,34 @@ pub(crate) mod tests {
         let c = m.intern(TrafficLabels::new(Direction::Outbound, true));
         assert!(Arc::ptr_eq(&a, &b));
         assert!(!Arc::ptr_eq(&a, &c));
-        assert_eq!(c.reporter, Direction::Outbound);
+        assert_eq!(c.labels().reporter, Direction::Outbound);
+    }
+
+    #[test]
+    fn series_of_equal_labels_count_into_the_same_family_series() {
+        let m = Metrics::default();
+        let opened = m.intern(TrafficLabels::new(Direction::Inbound, true));
+        let socket = opened.connection_opened();
+        m.intern(TrafficLabels::new(Direction::Inbound, true))
+            .connection_closed(ByteCounts {
+                client_to_server: 5,
+                server_to_client: 7,
+            });
+        let mut failed = TrafficLabels::new(Direction::Inbound, true);
+        failed.response_flags = ResponseFlags::Connect;
+        m.intern(failed).connection_closed(ByteCounts::default());
+        let text = m.render();
+        let of = |name| counter(&text, name, "destination");
+        assert_eq!(of("istio_tcp_connections_opened_total"), 1, "{text}");
+        assert_eq!(of("istio_tcp_connections_closed_total"), 2, "{text}");
+        assert_eq!(of("istio_tcp_connections_failed_total"), 1, "{text}");
+        assert_eq!(of("istio_tcp_received_bytes_total"), 5, "{text}");
+        assert_eq!(of("istio_tcp_sent_bytes_total"), 7, "{text}");
+        assert_eq!(socket.get(), 1);
+        assert!(
+            text.contains("istio_tcp_sockets_open{reporter=\"destination\"} 1"),
+            "{text}"
+        );
     }
 
     #[test]

@@ -99,7 +99,7 @@ async fn setup(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) -> Option
     };
     let client = crate::proxy::socket::canonical(client);
     let metrics = &pod.ctx.metrics;
-    let mut log = ConnectionLog::new(Direction::Outbound, client, dst);
+    let mut log = ConnectionLog::new(metrics, Direction::Outbound, client, dst);
     if NEVER_TARGET_PORTS.contains(&dst.port())
         && (dst.ip().is_loopback() || pod.ips.contains(&dst.ip()))
     {
@@ -143,7 +143,7 @@ async fn setup(pod: Arc<PodProxy>, tcp: TcpStream, client: SocketAddr) -> Option
         }
         None => log.set_dst(target),
     }
-    log.opened(metrics);
+    log.opened();
     let relay = match route.hbone {
         Some(hbone) => {
             let key = PoolKey {

@@ -90,7 +90,7 @@ where
                     let mut log = log;
                     if error.get_ref().is_some_and(|e| e.is::<LateRejection>()) {
                         // closed because a policy now denies it (ztunnel's late rejection)
-                        log.set_flags(ResponseFlags::Denied);
+                        log.set_flags(metrics, ResponseFlags::Denied);
                     }
                     log.finish(metrics, counts(transferred), Some(&RelayError(error)))
                 }
@@ -113,7 +113,6 @@ impl<F: SoFar, const LOCAL_IS_CLIENT: bool> Drop for Logged<F, LOCAL_IS_CLIENT> 
                 ByteCounts::server_side(t)
             };
             log.finish_closed_by_proxy(
-                &self.ctx.metrics,
                 counts,
                 "connection closed by the proxy (pod stopped or drained)",
             );
