@@ -97,15 +97,21 @@ pub struct SocketLabels {
     pub reporter: Direction,
 }
 
-/// The proxy's metric families (clones share the series: [`Metrics::register`] adds clones).
-#[derive(Debug, Default)]
-pub struct Metrics {
+/// The TCP families (clones share the series).
+#[derive(Debug, Default, Clone)]
+struct TcpFamilies {
     opened: Family<TrafficLabels, Counter>,
     closed: Family<TrafficLabels, Counter>,
     failed: Family<TrafficLabels, Counter>,
     sent: Family<TrafficLabels, Counter>,
     received: Family<TrafficLabels, Counter>,
     sockets_open: Family<SocketLabels, Gauge>,
+}
+
+/// The proxy's metric families (clones share the series: [`Metrics::register`] adds clones).
+#[derive(Debug, Default)]
+pub struct Metrics {
+    tcp: TcpFamilies,
     /// One shared [`Series`] per label set in use (see [`Metrics::intern`]).
     interned: RwLock<HashMap<TrafficLabels, Arc<Series>>>,
     /// The series of a connection not described yet, per direction ([`Metrics::undescribed`]).
@@ -124,32 +130,32 @@ impl Metrics {
         istio.register(
             "tcp_connections_opened",
             "The total number of TCP connections opened",
-            self.opened.clone(),
+            self.tcp.opened.clone(),
         );
         istio.register(
             "tcp_connections_closed",
             "The total number of TCP connections closed",
-            self.closed.clone(),
+            self.tcp.closed.clone(),
         );
         istio.register(
             "tcp_received_bytes",
             "The size of total bytes received during request in case of a TCP connection",
-            self.received.clone(),
+            self.tcp.received.clone(),
         );
         istio.register(
             "tcp_sent_bytes",
             "The size of total bytes sent during response in case of a TCP connection",
-            self.sent.clone(),
+            self.tcp.sent.clone(),
         );
         istio.register(
             "tcp_connections_failed",
             "The total number of TCP connections that failed to establish (unstable)",
-            self.failed.clone(),
+            self.tcp.failed.clone(),
         );
         istio.register(
             "tcp_sockets_open",
             "The current number of open TCP sockets (unstable)",
-            self.sockets_open.clone(),
+            self.tcp.sockets_open.clone(),
         );
         self.dns.register(istio);
         self.workload_manager
@@ -170,7 +176,7 @@ impl Metrics {
     /// its own label set (about 400 bytes and a dozen strings), and counts into the series'
     /// counters without looking its labels up in each family again (one label-set hash per
     /// connection instead of one per counter it moves). Like the families, which keep every label
-    /// set they counted, the table only grows.
+    /// set they counted, the table only grows (by the label sets interned, counted or not).
     pub fn intern(&self, labels: TrafficLabels) -> Arc<Series> {
         if let Some(s) = self
             .interned
@@ -184,7 +190,18 @@ impl Metrics {
             .write()
             .unwrap_or_else(PoisonError::into_inner)
             .entry(labels.clone())
-            .or_insert_with(|| Arc::new(self.series(labels)))
+            .or_insert_with(|| {
+                Arc::new(Series {
+                    labels,
+                    families: self.tcp.clone(),
+                    opened: OnceLock::new(),
+                    closed: OnceLock::new(),
+                    failed: OnceLock::new(),
+                    sent: OnceLock::new(),
+                    received: OnceLock::new(),
+                    socket: OnceLock::new(),
+                })
+            })
             .clone()
     }
 
@@ -198,35 +215,24 @@ impl Metrics {
         slot.get_or_init(|| self.intern(TrafficLabels::new(direction, false)))
             .clone()
     }
-
-    /// The counters of `labels` in every family (each created at zero if new).
-    fn series(&self, labels: TrafficLabels) -> Series {
-        Series {
-            opened: self.opened.get_or_create_owned(&labels),
-            closed: self.closed.get_or_create_owned(&labels),
-            failed: self.failed.get_or_create_owned(&labels),
-            sent: self.sent.get_or_create_owned(&labels),
-            received: self.received.get_or_create_owned(&labels),
-            socket: self.sockets_open.get_or_create_owned(&SocketLabels {
-                reporter: labels.reporter,
-            }),
-            labels,
-        }
-    }
 }
 
 /// The counters of one label set: handles to its series in each family of [`Metrics`] (a clone
-/// of a prometheus-client metric shares its value), so counting a connection needs no lookup.
+/// of a prometheus-client metric shares its value), each looked up once, when the label set first
+/// moves that counter (so a family shows a series only once it was counted, as before: no
+/// `istio_tcp_connections_failed_total` line for labels that never failed). After that, counting
+/// a connection needs no lookup.
 #[derive(Debug)]
 pub struct Series {
     labels: TrafficLabels,
-    opened: Counter,
-    closed: Counter,
-    failed: Counter,
-    sent: Counter,
-    received: Counter,
+    families: TcpFamilies,
+    opened: OnceLock<Counter>,
+    closed: OnceLock<Counter>,
+    failed: OnceLock<Counter>,
+    sent: OnceLock<Counter>,
+    received: OnceLock<Counter>,
     /// `istio_tcp_sockets_open` of the labels' reporter.
-    socket: Gauge,
+    socket: OnceLock<Gauge>,
 }
 
 impl Series {
@@ -238,20 +244,39 @@ impl Series {
     /// Counts a connection opened and one more open socket, whose series it returns (to
     /// decrement when the connection is gone).
     pub fn connection_opened(&self) -> Gauge {
-        self.opened.inc();
-        self.socket.inc();
-        self.socket.clone()
+        self.counter(&self.opened, &self.families.opened).inc();
+        let socket = self.socket.get_or_init(|| {
+            self.families
+                .sockets_open
+                .get_or_create_owned(&SocketLabels {
+                    reporter: self.labels.reporter,
+                })
+        });
+        socket.inc();
+        socket.clone()
     }
 
     /// Counts a connection that ended after carrying `bytes` (closed, the byte counters in the
     /// flipped convention of the module docs, and failed when its `response_flags` say so).
     pub fn connection_closed(&self, bytes: ByteCounts) {
-        self.closed.inc();
-        self.sent.inc_by(bytes.server_to_client);
-        self.received.inc_by(bytes.client_to_server);
+        let f = &self.families;
+        self.counter(&self.closed, &f.closed).inc();
+        self.counter(&self.sent, &f.sent)
+            .inc_by(bytes.server_to_client);
+        self.counter(&self.received, &f.received)
+            .inc_by(bytes.client_to_server);
         if self.labels.response_flags != ResponseFlags::None {
-            self.failed.inc();
+            self.counter(&self.failed, &f.failed).inc();
         }
+    }
+
+    /// The series of these labels in `family`, looked up (and created) on first use.
+    fn counter<'a>(
+        &self,
+        cell: &'a OnceLock<Counter>,
+        family: &Family<TrafficLabels, Counter>,
+    ) -> &'a Counter {
+        cell.get_or_init(|| family.get_or_create_owned(&self.labels))
     }
 }
 
@@ -371,6 +396,25 @@ pub(crate) mod tests {
             text.contains("istio_tcp_sockets_open{reporter=\"destination\"} 1"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn a_label_set_shows_only_the_counters_it_moved() {
+        let m = Metrics::default();
+        let _undescribed = m.undescribed(Direction::Outbound);
+        let s = m.intern(TrafficLabels::new(Direction::Inbound, true));
+        let _socket = s.connection_opened();
+        s.connection_closed(ByteCounts::default());
+        let text = m.render();
+        assert!(
+            text.contains("istio_tcp_connections_closed_total{"),
+            "{text}"
+        );
+        assert!(
+            !text.contains("istio_tcp_connections_failed_total{"),
+            "{text}"
+        );
+        assert!(!text.contains("reporter=\"source\""), "{text}");
     }
 
     #[test]
