@@ -235,3 +235,83 @@ fn a_short_soak_passes_and_reports_samples() {
     assert!(last["proxies"].as_u64().is_some_and(|n| n >= 2), "{last}");
     assert!(last["sockets_open"].as_u64().is_some(), "{last}");
 }
+
+#[test]
+fn a_bench_stopped_by_sigterm_leaves_no_lab_behind() {
+    use std::io::{BufRead, BufReader};
+    if !common::privileged("a_bench_stopped_by_sigterm_leaves_no_lab_behind") {
+        return;
+    }
+    let prefix = common::prefix("zbt");
+    let lab_dir = std::env::temp_dir().join(format!("ztnode-lab-{prefix}"));
+    let mut bench = Command::new(env!("CARGO_BIN_EXE_ztnode"))
+        .args(["bench", "--only", "throughput", "--hold", "300"])
+        .args(["--lab-prefix", &prefix])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run bench");
+    let mut lines = BufReader::new(bench.stderr.take().expect("stderr")).lines();
+    let mut seen = String::new();
+    for line in lines.by_ref() {
+        let line = line.expect("bench stderr");
+        seen.push_str(&line);
+        seen.push('\n');
+        if line.contains("holding") {
+            break;
+        }
+    }
+    // keep reading, so the bench's last words find a reader
+    let rest =
+        std::thread::spawn(move || lines.map_while(Result::ok).collect::<Vec<_>>().join("\n"));
+    assert!(
+        seen.contains("holding"),
+        "the bench did not reach its hold:\n{seen}"
+    );
+    let node_pid = seen
+        .split("node pid ")
+        .nth(1)
+        .and_then(|s| s.split(',').next())
+        .and_then(|s| s.trim().parse::<i32>().ok())
+        .expect("node pid in the hold line");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(bench.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .expect("SIGTERM");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = bench.try_wait().expect("wait") {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = bench.kill();
+            panic!("the bench did not exit within 20 s of SIGTERM");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let rest = rest.join().unwrap_or_default();
+    assert_eq!(status.code(), Some(128 + 15), "{status}: {rest}");
+    assert!(rest.contains("stopping the lab"), "{rest}");
+    let netns = Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .expect("ip netns");
+    let left: Vec<String> = String::from_utf8_lossy(&netns.stdout)
+        .lines()
+        .filter(|l| l.starts_with(&format!("{prefix}-")))
+        .map(str::to_owned)
+        .collect();
+    assert!(left.is_empty(), "namespaces left behind: {left:?}");
+    // the node is killed, not orphaned (a zombie until reaped counts as gone)
+    let node_state = std::fs::read_to_string(format!("/proc/{node_pid}/stat")).unwrap_or_default();
+    assert!(
+        node_state.is_empty() || node_state.contains(") Z "),
+        "the node (pid {node_pid}) still runs: {node_state}"
+    );
+    assert!(!lab_dir.exists(), "{} left behind", lab_dir.display());
+    assert!(
+        !lab_dir.with_extension("lock").exists(),
+        "the prefix lock file left behind"
+    );
+}

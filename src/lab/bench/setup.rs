@@ -1,6 +1,7 @@
 //! The bench's lab: checks before it, the node with its two pairs of pods, the extra enrolled pods
 //! (with their CNI ADD times), and the optional hold before measuring.
 
+use std::io::Write;
 use std::net::IpAddr;
 use std::process::Command;
 
@@ -84,15 +85,117 @@ pub(super) fn preflight(opts: &BenchOptions) -> anyhow::Result<PrefixLock> {
         "--lab-prefix must be 1 to 8 characters of a-z and 0-9, not {prefix:?}"
     );
     let lock = lock_prefix(prefix)?;
-    // Namespaces an interrupted earlier run may have left.
-    if let Ok(out) = Command::new("ip").args(["netns", "list"]).output() {
-        for name in String::from_utf8_lossy(&out.stdout).split_whitespace() {
-            if name.starts_with(&format!("{prefix}-")) {
-                let _ = Command::new("ip").args(["netns", "del", name]).output();
+    // What an earlier run killed before it could clean up (SIGKILL, power loss) may have left.
+    remove_leftovers(prefix);
+    cleanup_on_signal(prefix.to_owned());
+    Ok(lock)
+}
+
+/// The network namespaces named `<prefix>-*` (`ip netns list`).
+fn lab_namespaces(prefix: &str) -> Vec<String> {
+    let Ok(out) = Command::new("ip").args(["netns", "list"]).output() else {
+        return Vec::new();
+    };
+    let own = format!("{prefix}-");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|name| name.starts_with(&own))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Stops every process inside the lab's namespaces (SIGKILL: the node, agent and proxies, iperf3
+/// and echo servers, clients), then deletes the namespaces. Deleting a namespace alone only
+/// unmounts its name: the processes in it would run on, holding it.
+fn remove_leftovers(prefix: &str) {
+    for name in lab_namespaces(prefix) {
+        if let Ok(out) = Command::new("ip").args(["netns", "pids", &name]).output() {
+            for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
+                if let Ok(pid) = pid.parse::<i32>() {
+                    let _ = nix::sys::signal::kill(
+                        nix::unistd::Pid::from_raw(pid),
+                        nix::sys::signal::Signal::SIGKILL,
+                    );
+                }
             }
         }
+        let _ = Command::new("ip").args(["netns", "del", &name]).output();
     }
-    Ok(lock)
+}
+
+/// Until the process exits, a SIGINT, SIGTERM or SIGHUP ends the run cleanly instead of leaving
+/// the lab behind: the processes in the lab's namespaces and the bench's own children are killed,
+/// the namespaces, the lab dir (`<tmp>/ztnode-lab-<prefix>`) and the prefix lock file removed, and
+/// the bench exits with 128 + the signal's number, as a shell reports a process killed by it.
+fn cleanup_on_signal(prefix: String) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let spawned = std::thread::Builder::new()
+        .name("bench-signals".into())
+        .spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            let signo = rt.block_on(async {
+                let (Ok(mut int), Ok(mut term), Ok(mut hup)) = (
+                    signal(SignalKind::interrupt()),
+                    signal(SignalKind::terminate()),
+                    signal(SignalKind::hangup()),
+                ) else {
+                    return None;
+                };
+                tokio::select! {
+                    _ = int.recv() => Some(SignalKind::interrupt().as_raw_value()),
+                    _ = term.recv() => Some(SignalKind::terminate().as_raw_value()),
+                    _ = hup.recv() => Some(SignalKind::hangup().as_raw_value()),
+                }
+            });
+            let Some(signo) = signo else { return };
+            // not `eprintln!`: with stderr closed (a reader that went away) it would panic here
+            let _ = writeln!(
+                std::io::stderr(),
+                "bench: signal {signo}: stopping the lab {prefix}"
+            );
+            kill_children();
+            remove_leftovers(&prefix);
+            let lab = std::env::temp_dir().join(format!("ztnode-lab-{prefix}"));
+            let _ = std::fs::remove_dir_all(&lab);
+            let _ = std::fs::remove_file(lab.with_extension("lock"));
+            std::process::exit(128 + signo);
+        });
+    if let Err(e) = spawned {
+        eprintln!("bench: no signal handler ({e}): an interrupted run leaves its lab behind");
+    }
+}
+
+/// SIGKILL to this process's children (those outside the lab's namespaces: the CNI plugin runs,
+/// a fake API server or istiod).
+fn kill_children() {
+    let me = std::process::id().to_string();
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return;
+    };
+    for entry in dir.flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        // `pid (comm) state ppid ...`; comm may hold spaces and parentheses
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1));
+        if ppid == Some(me.as_str()) {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+    }
 }
 
 /// The lab node running a `ztnode node`, with the pods measured on: `[d-client, d-server,
