@@ -20,7 +20,6 @@
 
 pub mod labels;
 
-use std::collections::HashMap;
 use std::sync::{Arc, OnceLock, PoisonError, RwLock};
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -113,7 +112,7 @@ struct TcpFamilies {
 pub struct Metrics {
     tcp: TcpFamilies,
     /// One shared [`Series`] per label set in use (see [`Metrics::intern`]).
-    interned: RwLock<HashMap<TrafficLabels, Arc<Series>>>,
+    interned: RwLock<foldhash::HashMap<TrafficLabels, Arc<Series>>>,
     /// The series of a connection not described yet, per direction ([`Metrics::undescribed`]).
     undescribed: [OnceLock<Arc<Series>>; 2],
     /// The DNS proxy's metrics.

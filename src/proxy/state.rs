@@ -5,7 +5,9 @@
 //! Snapshots are built from the local config (spec §5, ztunnel `LOCAL_XDS_PATH`); the file
 //! watcher in `state/watch_file.rs` rebuilds and swaps them when the file changes.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+
+use foldhash::{HashMap, HashMapExt};
 use std::net::IpAddr;
 use std::sync::{Arc, PoisonError, RwLock};
 
