@@ -123,6 +123,14 @@ fn bench_reports_every_figure() {
         assert!(v[key].as_str().is_some_and(|s| !s.is_empty()), "{key}: {v}");
     }
     assert!(v["cpus"].as_u64().is_some_and(|n| n > 0), "{v}");
+    // how busy the machine was before the run (tests run beside each other: any share)
+    assert!(
+        v["busy_before_pct"]
+            .as_f64()
+            .is_some_and(|p| (0.0..=100.0).contains(&p)),
+        "{v}"
+    );
+    assert!(v["busy_before_top"].is_array(), "{v}");
     for key in ["cpu_ms_per_gb_1_stream", "cpu_ms_per_gb_8_streams"] {
         assert!(v[key].as_f64().is_some_and(|x| x > 0.0), "{key}: {v}");
     }
@@ -236,6 +244,16 @@ fn a_short_soak_passes_and_reports_samples() {
     assert!(last["sockets_open"].as_u64().is_some(), "{last}");
 }
 
+/// A child process killed (and reaped) when dropped, also when an assertion fails first.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 #[test]
 fn a_bench_stopped_by_sigterm_leaves_no_lab_behind() {
     use std::io::{BufRead, BufReader};
@@ -244,14 +262,16 @@ fn a_bench_stopped_by_sigterm_leaves_no_lab_behind() {
     }
     let prefix = common::prefix("zbt");
     let lab_dir = std::env::temp_dir().join(format!("ztnode-lab-{prefix}"));
-    let mut bench = Command::new(env!("CARGO_BIN_EXE_ztnode"))
-        .args(["bench", "--only", "throughput", "--hold", "300"])
-        .args(["--lab-prefix", &prefix])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("run bench");
-    let mut lines = BufReader::new(bench.stderr.take().expect("stderr")).lines();
+    let mut bench = KillOnDrop(
+        Command::new(env!("CARGO_BIN_EXE_ztnode"))
+            .args(["bench", "--only", "throughput", "--hold", "300"])
+            .args(["--lab-prefix", &prefix])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("run bench"),
+    );
+    let mut lines = BufReader::new(bench.0.stderr.take().expect("stderr")).lines();
     let mut seen = String::new();
     for line in lines.by_ref() {
         let line = line.expect("bench stderr");
@@ -274,25 +294,49 @@ fn a_bench_stopped_by_sigterm_leaves_no_lab_behind() {
         .and_then(|s| s.split(',').next())
         .and_then(|s| s.trim().parse::<i32>().ok())
         .expect("node pid in the hold line");
+    // a process in one of the lab's pods that is not the bench's child (as a user's shell in a
+    // held lab would start): only the namespace says it belongs to the lab
+    let mut stray = KillOnDrop(
+        Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &format!("{prefix}-m-server"),
+                "sleep",
+                "600",
+            ])
+            .spawn()
+            .expect("a process in the lab"),
+    );
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert!(
+        stray.0.try_wait().expect("stray").is_none(),
+        "the process in the lab did not start"
+    );
     nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(bench.id() as i32),
+        nix::unistd::Pid::from_raw(bench.0.id() as i32),
         nix::sys::signal::Signal::SIGTERM,
     )
     .expect("SIGTERM");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
     let status = loop {
-        if let Some(status) = bench.try_wait().expect("wait") {
+        if let Some(status) = bench.0.try_wait().expect("wait") {
             break status;
         }
-        if std::time::Instant::now() > deadline {
-            let _ = bench.kill();
-            panic!("the bench did not exit within 20 s of SIGTERM");
-        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the bench did not exit within 20 s of SIGTERM"
+        );
         std::thread::sleep(std::time::Duration::from_millis(50));
     };
     let rest = rest.join().unwrap_or_default();
     assert_eq!(status.code(), Some(128 + 15), "{status}: {rest}");
     assert!(rest.contains("stopping the lab"), "{rest}");
+    let stray_status = stray.0.try_wait().expect("stray");
+    assert!(
+        stray_status.is_some_and(|s| !s.success()),
+        "the process in the lab's namespace was left running: {stray_status:?}"
+    );
     let netns = Command::new("ip")
         .args(["netns", "list"])
         .output()

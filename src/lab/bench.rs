@@ -12,6 +12,7 @@
 //! (ztnode / direct) and writes the same figures as JSON. With `--peer PATH` it measures ztnode's
 //! proxy and another (the real ztunnel) side by side instead ([`peer`]). Benchmarks are not tests: nothing here asserts a timing.
 
+mod busy;
 mod kube;
 mod measure;
 mod options;
@@ -29,7 +30,14 @@ use report::{Figures, Machine};
 
 /// Runs the benchmark; returns the exit status.
 pub fn run(opts: BenchOptions) -> i32 {
-    match run_inner(&opts) {
+    let result = run_inner(&opts);
+    if setup::stopping() {
+        // a signal handler is tearing the lab down and exits the process when done
+        loop {
+            std::thread::park();
+        }
+    }
+    match result {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("bench failed: {e:#}");
@@ -43,12 +51,16 @@ pub fn run(opts: BenchOptions) -> i32 {
 fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
     let started = time::OffsetDateTime::now_utc();
     let _lock = setup::preflight(opts)?;
+    let busy = busy::Busy::sample();
+    if let Some(warning) = busy.warning() {
+        eprintln!("{warning}");
+    }
     if let Some(peer) = &opts.peer {
-        return peer::run(opts, peer);
+        return peer::run(opts, peer, &busy);
     }
     if let Some(soak) = &opts.soak {
         anyhow::ensure!(
-            soak::run(opts, soak)?,
+            soak::run(opts, soak, &busy)?,
             "the soak failed (the verdict above)"
         );
         return Ok(());
@@ -61,7 +73,7 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
         xds::measure(opts, &mut figures)?;
     }
     if !options::MAIN_LAB_SECTIONS.iter().any(|s| opts.wants(*s)) {
-        let machine = Machine::read(started);
+        let machine = Machine::read(started, &busy);
         let secs = opts.duration.as_secs().max(1);
         report::print_table(secs, opts.round_trips, &machine, &figures);
         return report::write_json(opts, secs, 0, &machine, &figures);
@@ -85,7 +97,7 @@ fn run_inner(opts: &BenchOptions) -> anyhow::Result<()> {
     if opts.wants(Section::Cni) {
         sections::cni(&enrolled, &mut figures);
     }
-    let machine = Machine::read(started);
+    let machine = Machine::read(started, &busy);
     report::print_table(secs, opts.round_trips, &machine, &figures);
     let cni_add_samples = enrolled.plugin_ms.len();
     report::write_json(opts, secs, cni_add_samples, &machine, &figures)?;

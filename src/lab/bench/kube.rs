@@ -2,7 +2,7 @@
 //! labelled pod that already runs is enrolled and annotated, and the `ztnode-cni` ADD time when
 //! the plugin asks the API server first (Istio's plugin flow).
 //!
-//! Its own lab (prefix `<lab prefix>k`): the fake API server (`../shared/tools/fake-apiserver`, or
+//! Its own lab (prefix `<lab prefix>-k`): the fake API server (`../shared/tools/fake-apiserver`, or
 //! `ZTNODE_FAKE_APISERVER`) in the node netns, `--pods` pods added through the CNI chain while no
 //! agent runs (their namespace is not labelled yet, so the plugin passes them), each seen as a
 //! process in a fake procfs; then the namespace is labelled and the node started.
@@ -53,7 +53,7 @@ pub(super) fn measure(opts: &BenchOptions, figures: &mut Figures) -> anyhow::Res
         );
         return Ok(());
     };
-    let prefix = format!("{}k", opts.lab_prefix);
+    let prefix = format!("{}-k", opts.lab_prefix);
     let dir = std::env::temp_dir().join(format!("ztnode-bench-{prefix}"));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir)?;

@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use serde_json::json;
 
+use super::busy::Busy;
 use super::measure::{self, conn_rate_timed, cpu_seconds, iperf, settle_rss};
 use super::options::BenchOptions;
 use super::placement::{Placement, PollingIdle};
@@ -241,7 +242,7 @@ fn figures() -> Vec<Figure> {
 }
 
 /// Runs the side-by-side bench against the proxy at `peer`.
-pub(super) fn run(opts: &BenchOptions, peer: &Path) -> anyhow::Result<()> {
+pub(super) fn run(opts: &BenchOptions, peer: &Path, busy: &Busy) -> anyhow::Result<()> {
     anyhow::ensure!(
         peer.is_file(),
         "--peer {}: no such file (a ztunnel built with `--features testing`)",
@@ -342,7 +343,11 @@ pub(super) fn run(opts: &BenchOptions, peer: &Path) -> anyhow::Result<()> {
         stop(p);
     }
     print(&figs, rounds, peer);
-    write_json(opts, &figs, rounds, peer)
+    // again under the table, where the figures it disturbed are read
+    if let Some(warning) = busy.warning() {
+        println!("{warning}");
+    }
+    write_json(opts, &figs, rounds, peer, busy)
 }
 
 /// What starting a process of the lab needs.
@@ -547,8 +552,9 @@ fn write_json(
     figs: &[Figure],
     rounds: usize,
     peer: &Path,
+    busy: &Busy,
 ) -> anyhow::Result<()> {
-    let report = json!({
+    let mut report = json!({
         "peer": peer.display().to_string(),
         "rounds": rounds,
         "duration_secs": opts.duration.as_secs(),
@@ -570,6 +576,7 @@ fn write_json(
             "met": f.met(),
         })).collect::<Vec<_>>(),
     });
+    busy.add_to(&mut report);
     std::fs::write(&opts.json, serde_json::to_vec_pretty(&report)?)?;
     println!("\nJSON written to {}", opts.json.display());
     Ok(())

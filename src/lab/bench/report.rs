@@ -4,6 +4,7 @@ use std::path::Path;
 
 use serde_json::json;
 
+use super::busy::Busy;
 use super::options::BenchOptions;
 
 /// One single-valued figure: table label, JSON key, value, printed decimals.
@@ -58,11 +59,13 @@ pub(super) struct Machine {
     cpus: usize,
     /// `<driver>, guest_halt_poll_ns=<n>` as far as sysfs tells (`unknown` parts otherwise).
     cpuidle: String,
+    /// How busy the machine was just before the run.
+    busy: Busy,
 }
 
 impl Machine {
     /// The facts of this build and machine, for a run that started at `started`.
-    pub(super) fn read(started: time::OffsetDateTime) -> Machine {
+    pub(super) fn read(started: time::OffsetDateTime, busy: &Busy) -> Machine {
         let sys = |path: &str| {
             std::fs::read_to_string(path)
                 .map(|s| s.trim().to_owned())
@@ -79,25 +82,33 @@ impl Machine {
                 sys("/sys/devices/system/cpu/cpuidle/current_driver"),
                 sys("/sys/module/haltpoll/parameters/guest_halt_poll_ns")
             ),
+            busy: busy.clone(),
         }
     }
 }
 
 impl Machine {
-    /// `ztnode <version>, started <time>, <n> CPUs, cpuidle <setup>`: the table's heading line.
+    /// `ztnode <version>, started <time>, <n> CPUs, cpuidle <setup>, <p %> busy before`: the
+    /// table's heading line.
     pub(super) fn describe(&self) -> String {
         format!(
-            "ztnode {}, started {}, {} CPUs, cpuidle {}",
-            self.version, self.started_at, self.cpus, self.cpuidle
+            "ztnode {}, started {}, {} CPUs, cpuidle {}, {} busy before",
+            self.version,
+            self.started_at,
+            self.cpus,
+            self.cpuidle,
+            self.busy.describe_pct()
         )
     }
 
-    /// Sets the report keys `ztnode_version`, `started_at`, `cpus` and `cpuidle` in the object `doc`.
+    /// Sets the report keys `ztnode_version`, `started_at`, `cpus`, `cpuidle` and the
+    /// [`Busy`] keys in the object `doc`.
     pub(super) fn add_to(&self, doc: &mut serde_json::Value) {
         doc["ztnode_version"] = json!(self.version);
         doc["started_at"] = json!(self.started_at);
         doc["cpus"] = json!(self.cpus);
         doc["cpuidle"] = json!(self.cpuidle);
+        self.busy.add_to(doc);
     }
 }
 
@@ -117,9 +128,15 @@ pub(super) fn print_table(secs: u64, round_trips: usize, machine: &Machine, figu
         secs, round_trips, machine.cpus
     );
     println!(
-        "ztnode {}, started {}, cpuidle {}",
-        machine.version, machine.started_at, machine.cpuidle
+        "ztnode {}, started {}, cpuidle {}, {} busy before",
+        machine.version,
+        machine.started_at,
+        machine.cpuidle,
+        machine.busy.describe_pct()
     );
+    if let Some(warning) = machine.busy.warning() {
+        println!("{warning}");
+    }
     // The label column fits the longest label (40 at least).
     let w = figures
         .rows
@@ -167,12 +184,9 @@ pub(super) fn write_json(
         "xds_workloads": opts.xds_workloads,
         "xds_policies": opts.xds_policies,
         "xds_pushes": opts.xds_pushes,
-        "ztnode_version": machine.version,
-        "started_at": machine.started_at,
-        "cpus": machine.cpus,
-        "cpuidle": machine.cpuidle,
         "figures": figures.rows.iter().map(|r| json!({"name": r.name, "unit": r.unit, "direct": r.direct, "ztnode": r.mesh, "ratio": r.ratio})).collect::<Vec<_>>(),
     });
+    machine.add_to(&mut report);
     for v in &figures.values {
         report[v.key.as_str()] = json!(v.value);
     }

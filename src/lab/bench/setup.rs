@@ -75,8 +75,9 @@ pub(super) fn preflight(opts: &BenchOptions) -> anyhow::Result<PrefixLock> {
     anyhow::ensure!(opts.pods >= 2, "--pods must be at least 2");
     crate::runtime::raise_nofile_limit();
     let prefix = opts.lab_prefix.as_str();
-    // Short (interface names like `<prefix>-br` have 15 characters at most) and without `-`, so
-    // the leftover cleanup below cannot match another lab's names.
+    // Short (interface names like `<prefix>-k-br` have 15 characters at most) and without `-`,
+    // so the leftover cleanup below (`<prefix>-*`, which holds the kube and xds labs'
+    // `<prefix>-k-*` and `<prefix>-x-*`) cannot match another prefix's names.
     anyhow::ensure!(
         (1..=8).contains(&prefix.len())
             && prefix
@@ -124,36 +125,86 @@ fn remove_leftovers(prefix: &str) {
     }
 }
 
-/// Until the process exits, a SIGINT, SIGTERM or SIGHUP ends the run cleanly instead of leaving
-/// the lab behind: the processes in the lab's namespaces and the bench's own children are killed,
-/// the namespaces, the lab dir (`<tmp>/ztnode-lab-<prefix>`) and the prefix lock file removed, and
-/// the bench exits with 128 + the signal's number, as a shell reports a process killed by it.
+/// Set once a signal handler started stopping the run; see [`stopping`].
+static STOPPING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether a signal is stopping the run: the main thread must then leave the exit to the handler
+/// (its measurement fails as the handler kills the lab; returning would exit with 1 before the
+/// cleanup ends).
+pub(super) fn stopping() -> bool {
+    STOPPING.load(std::sync::atomic::Ordering::SeqCst)
+}
+
+/// Whether `signal`'s disposition is "ignore" (`nohup` ignores SIGHUP; a shell's `cmd &` without
+/// job control ignores SIGINT): such a run is meant to survive that signal, so it keeps ignoring it.
+/// Read from the `SigIgn` mask of `/proc/self/status` (hex, bit `signal - 1`; proc(5)).
+fn ignored(signal: i32) -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| sig_ignored(&status, signal))
+        .unwrap_or(false)
+}
+
+fn sig_ignored(status: &str, signal: i32) -> Option<bool> {
+    let mask = status.lines().find_map(|l| l.strip_prefix("SigIgn:"))?;
+    let mask = u64::from_str_radix(mask.trim(), 16).ok()?;
+    let bit = u32::try_from(signal.checked_sub(1)?).ok()?;
+    Some(bit < 64 && mask & (1 << bit) != 0)
+}
+
+/// Until the process exits, a SIGINT, SIGTERM or SIGHUP (those not ignored when the bench started)
+/// ends the run cleanly instead of leaving the lab behind: [`stopping`] turns true, the processes
+/// in the lab's namespaces (main, `-k` and `-x` labs) and the bench's own children are killed, the
+/// namespaces, the lab dirs and the prefix lock file removed, and the bench exits with 128 + the
+/// signal's number, as a shell reports a process killed by it. Returns once the handlers are in
+/// place; a failure to install them is printed (the run goes on without them).
 fn cleanup_on_signal(prefix: String) {
     use tokio::signal::unix::{SignalKind, signal};
+    let kinds: Vec<SignalKind> = [
+        SignalKind::interrupt(),
+        SignalKind::terminate(),
+        SignalKind::hangup(),
+    ]
+    .into_iter()
+    .filter(|k| !ignored(k.as_raw_value()))
+    .collect();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<(), String>>();
     let spawned = std::thread::Builder::new()
         .name("bench-signals".into())
         .spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+            let rt = match tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
-            else {
-                return;
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e.to_string()));
+                    return;
+                }
             };
             let signo = rt.block_on(async {
-                let (Ok(mut int), Ok(mut term), Ok(mut hup)) = (
-                    signal(SignalKind::interrupt()),
-                    signal(SignalKind::terminate()),
-                    signal(SignalKind::hangup()),
-                ) else {
-                    return None;
-                };
-                tokio::select! {
-                    _ = int.recv() => Some(SignalKind::interrupt().as_raw_value()),
-                    _ = term.recv() => Some(SignalKind::terminate().as_raw_value()),
-                    _ = hup.recv() => Some(SignalKind::hangup().as_raw_value()),
+                let mut streams = Vec::new();
+                for kind in kinds {
+                    match signal(kind) {
+                        Ok(s) => streams.push((kind.as_raw_value(), s)),
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(e.to_string()));
+                            return None;
+                        }
+                    }
                 }
+                let _ = ready_tx.send(Ok(()));
+                let waits = streams.iter_mut().map(|(signo, s)| {
+                    let signo = *signo;
+                    Box::pin(async move {
+                        s.recv().await;
+                        signo
+                    })
+                });
+                Some(futures::future::select_all(waits).await.0)
             });
             let Some(signo) = signo else { return };
+            STOPPING.store(true, std::sync::atomic::Ordering::SeqCst);
             // not `eprintln!`: with stderr closed (a reader that went away) it would panic here
             let _ = writeln!(
                 std::io::stderr(),
@@ -161,13 +212,37 @@ fn cleanup_on_signal(prefix: String) {
             );
             kill_children();
             remove_leftovers(&prefix);
-            let lab = std::env::temp_dir().join(format!("ztnode-lab-{prefix}"));
-            let _ = std::fs::remove_dir_all(&lab);
-            let _ = std::fs::remove_file(lab.with_extension("lock"));
+            remove_lab_dirs(&prefix);
             std::process::exit(128 + signo);
         });
-    if let Err(e) = spawned {
+    let installed = match spawned {
+        Ok(_) => ready_rx
+            .recv()
+            .unwrap_or_else(|_| Err("the handler thread ended".into())),
+        Err(e) => Err(e.to_string()),
+    };
+    if let Err(e) = installed {
         eprintln!("bench: no signal handler ({e}): an interrupted run leaves its lab behind");
+    }
+}
+
+/// Removes the run's dirs in the temp dir: `ztnode-lab-<prefix>` and its lock file, and the
+/// `ztnode-lab-<prefix>-*` and `ztnode-bench-<prefix>-*` dirs of the kube and xds labs.
+fn remove_lab_dirs(prefix: &str) {
+    let tmp = std::env::temp_dir();
+    let main = format!("ztnode-lab-{prefix}");
+    let _ = std::fs::remove_dir_all(tmp.join(&main));
+    let _ = std::fs::remove_file(tmp.join(format!("{main}.lock")));
+    let subs = [format!("{main}-"), format!("ztnode-bench-{prefix}-")];
+    let Ok(dir) = std::fs::read_dir(&tmp) else {
+        return;
+    };
+    for entry in dir.flatten() {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if subs.iter().any(|s| name.starts_with(s.as_str())) {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
     }
 }
 
@@ -338,6 +413,18 @@ pub(super) fn hold(bed: &Bed, opts: &BenchOptions) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_ignored_signal_is_read_from_the_sigign_mask() {
+        // SIGHUP (1) and SIGINT (2) ignored, as under `nohup` in a non-interactive `cmd &`
+        let status = "Name:\tztnode\nSigBlk:\t0000000000000000\nSigIgn:\t0000000000000003\n";
+        assert_eq!(sig_ignored(status, 1), Some(true));
+        assert_eq!(sig_ignored(status, 2), Some(true));
+        assert_eq!(sig_ignored(status, 15), Some(false));
+        assert_eq!(sig_ignored("Name:\tx\n", 1), None);
+        // our own process: SIGTERM is not ignored by the test harness
+        assert!(!ignored(15));
+    }
 
     #[test]
     fn a_second_run_with_the_same_prefix_is_refused_until_the_first_ends() {

@@ -36,6 +36,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
+use super::busy::Busy;
 use super::measure::echo_server;
 use super::options::{BenchOptions, SoakOptions};
 use super::report::{self, Machine};
@@ -59,7 +60,7 @@ const STREAM_PORT: u16 = 7401;
 const PRINTED_REASONS: usize = 5;
 
 /// Runs the soak on the main lab; returns whether it passed. Errors are failures to set up.
-pub(super) fn run(opts: &BenchOptions, soak: &SoakOptions) -> anyhow::Result<bool> {
+pub(super) fn run(opts: &BenchOptions, soak: &SoakOptions, busy: &Busy) -> anyhow::Result<bool> {
     anyhow::ensure!(
         !soak.duration.is_zero(),
         "--soak must be more than 0 minutes"
@@ -91,7 +92,7 @@ pub(super) fn run(opts: &BenchOptions, soak: &SoakOptions) -> anyhow::Result<boo
         "the node did not take the soak's config: {:?}",
         tally.reasons()
     );
-    let machine = Machine::read(started);
+    let machine = Machine::read(started, busy);
     print_header(soak, &machine);
     let client_ns = Netns::open(&client.netns_path)?;
     let stop = AtomicBool::new(false);

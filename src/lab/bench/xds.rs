@@ -16,7 +16,7 @@
 //! The log is read every 250 µs, which bounds the resolution of the ACK figures; push → ACK also
 //! holds the fake istiod's own work (Python: the control call, the diff, the encoding).
 //!
-//! Its own lab (prefix `<lab prefix>x`, no pods): the fake istiod (`../shared/tools/fake-istiod`, or
+//! Its own lab (prefix `<lab prefix>-x`, no pods): the fake istiod (`../shared/tools/fake-istiod`, or
 //! `ZTNODE_FAKE_ISTIOD`) on the node netns's loopback, and `ztnode node --no-install` there with
 //! ztunnel's `XDS_ADDRESS`/`CA_ADDRESS` env.
 
@@ -392,12 +392,12 @@ struct Rig {
 }
 
 impl Rig {
-    /// Builds the lab (prefix `<lab prefix>x`) in `dir` and starts the fake istiod, world empty.
+    /// Builds the lab (prefix `<lab prefix>-x`) in `dir` and starts the fake istiod, world empty.
     fn new(opts: &BenchOptions, script: &Path, dir: &Path) -> anyhow::Result<Rig> {
         let exe = std::env::current_exe()?;
         let run_dir = dir.join("run");
         let lab = Lab::new(LabOptions {
-            prefix: format!("{}x", opts.lab_prefix),
+            prefix: format!("{}-x", opts.lab_prefix),
             ztnode_binary: Some(exe.clone()),
             run_dir: run_dir.clone(),
             subnet: "10.253.0.0/16".into(),
@@ -527,7 +527,7 @@ pub(super) fn measure(opts: &BenchOptions, figures: &mut Figures) -> anyhow::Res
         "at most 60000 workloads and 30000 pushes (their addresses are in two /16s)"
     );
     let world = World::new(opts);
-    let dir = std::env::temp_dir().join(format!("ztnode-bench-{}x", opts.lab_prefix));
+    let dir = std::env::temp_dir().join(format!("ztnode-bench-{}-x", opts.lab_prefix));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir)?;
     // Declared first, so dropped last: after the node, the fake istiod and the lab.
