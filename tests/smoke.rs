@@ -254,18 +254,20 @@ impl Drop for KillOnDrop {
     }
 }
 
-#[test]
-fn a_bench_stopped_by_sigterm_leaves_no_lab_behind() {
+/// Starts `ztnode bench <args> --lab-prefix <prefix>` and reads its stderr until a line holding
+/// `until`; returns the bench, what it printed until then, and a thread collecting the rest (so
+/// the bench's last words find a reader).
+fn bench_until(
+    prefix: &str,
+    args: &[&str],
+    until: &str,
+) -> (KillOnDrop, String, std::thread::JoinHandle<String>) {
     use std::io::{BufRead, BufReader};
-    if !common::privileged("a_bench_stopped_by_sigterm_leaves_no_lab_behind") {
-        return;
-    }
-    let prefix = common::prefix("zbt");
-    let lab_dir = std::env::temp_dir().join(format!("ztnode-lab-{prefix}"));
     let mut bench = KillOnDrop(
         Command::new(env!("CARGO_BIN_EXE_ztnode"))
-            .args(["bench", "--only", "throughput", "--hold", "300"])
-            .args(["--lab-prefix", &prefix])
+            .arg("bench")
+            .args(args)
+            .args(["--lab-prefix", prefix])
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::piped())
             .spawn()
@@ -277,16 +279,75 @@ fn a_bench_stopped_by_sigterm_leaves_no_lab_behind() {
         let line = line.expect("bench stderr");
         seen.push_str(&line);
         seen.push('\n');
-        if line.contains("holding") {
+        if line.contains(until) {
             break;
         }
     }
-    // keep reading, so the bench's last words find a reader
+    assert!(
+        seen.contains(until),
+        "the bench never printed {until:?}:\n{seen}"
+    );
     let rest =
         std::thread::spawn(move || lines.map_while(Result::ok).collect::<Vec<_>>().join("\n"));
+    (bench, seen, rest)
+}
+
+/// Sends SIGTERM to `bench` and asserts it exits with 128 + 15 within 20 s, saying it stopped
+/// the lab and not that the run failed; then that nothing of the lab `prefix` is left: no
+/// namespace, lab dir or lock file.
+fn sigterm_leaves_nothing(
+    prefix: &str,
+    mut bench: KillOnDrop,
+    rest: std::thread::JoinHandle<String>,
+) {
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(bench.0.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .expect("SIGTERM");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = bench.0.try_wait().expect("wait") {
+            break status;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the bench did not exit within 20 s of SIGTERM"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let rest = rest.join().unwrap_or_default();
+    assert_eq!(status.code(), Some(128 + 15), "{status}: {rest}");
+    assert!(rest.contains("stopping the lab"), "{rest}");
+    assert!(!rest.contains("bench failed"), "{rest}");
+    let netns = Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .expect("ip netns");
+    let left: Vec<String> = String::from_utf8_lossy(&netns.stdout)
+        .lines()
+        .filter(|l| l.starts_with(&format!("{prefix}-")))
+        .map(str::to_owned)
+        .collect();
+    assert!(left.is_empty(), "namespaces left behind: {left:?}");
+    let lab_dir = std::env::temp_dir().join(format!("ztnode-lab-{prefix}"));
+    assert!(!lab_dir.exists(), "{} left behind", lab_dir.display());
     assert!(
-        seen.contains("holding"),
-        "the bench did not reach its hold:\n{seen}"
+        !lab_dir.with_extension("lock").exists(),
+        "the prefix lock file left behind"
+    );
+}
+
+#[test]
+fn a_bench_stopped_by_sigterm_leaves_no_lab_behind() {
+    if !common::privileged("a_bench_stopped_by_sigterm_leaves_no_lab_behind") {
+        return;
+    }
+    let prefix = common::prefix("zbt");
+    let (bench, seen, rest) = bench_until(
+        &prefix,
+        &["--only", "throughput", "--hold", "300"],
+        "holding",
     );
     let node_pid = seen
         .split("node pid ")
@@ -313,49 +374,33 @@ fn a_bench_stopped_by_sigterm_leaves_no_lab_behind() {
         stray.0.try_wait().expect("stray").is_none(),
         "the process in the lab did not start"
     );
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(bench.0.id() as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    )
-    .expect("SIGTERM");
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    let status = loop {
-        if let Some(status) = bench.0.try_wait().expect("wait") {
-            break status;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the bench did not exit within 20 s of SIGTERM"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    };
-    let rest = rest.join().unwrap_or_default();
-    assert_eq!(status.code(), Some(128 + 15), "{status}: {rest}");
-    assert!(rest.contains("stopping the lab"), "{rest}");
+    sigterm_leaves_nothing(&prefix, bench, rest);
     let stray_status = stray.0.try_wait().expect("stray");
     assert!(
         stray_status.is_some_and(|s| !s.success()),
         "the process in the lab's namespace was left running: {stray_status:?}"
     );
-    let netns = Command::new("ip")
-        .args(["netns", "list"])
-        .output()
-        .expect("ip netns");
-    let left: Vec<String> = String::from_utf8_lossy(&netns.stdout)
-        .lines()
-        .filter(|l| l.starts_with(&format!("{prefix}-")))
-        .map(str::to_owned)
-        .collect();
-    assert!(left.is_empty(), "namespaces left behind: {left:?}");
     // the node is killed, not orphaned (a zombie until reaped counts as gone)
     let node_state = std::fs::read_to_string(format!("/proc/{node_pid}/stat")).unwrap_or_default();
     assert!(
         node_state.is_empty() || node_state.contains(") Z "),
         "the node (pid {node_pid}) still runs: {node_state}"
     );
-    assert!(!lab_dir.exists(), "{} left behind", lab_dir.display());
-    assert!(
-        !lab_dir.with_extension("lock").exists(),
-        "the prefix lock file left behind"
+}
+
+#[test]
+fn a_bench_stopped_while_measuring_leaves_no_lab_behind() {
+    if !common::privileged("a_bench_stopped_while_measuring_leaves_no_lab_behind") {
+        return;
+    }
+    // the handler kills the node and the clients under the running measurement: the run still
+    // ends by the signal, with its lab gone
+    let prefix = common::prefix("zbm");
+    let (bench, _, rest) = bench_until(
+        &prefix,
+        &["--only", "rate", "--duration", "30", "--pods", "2"],
+        "measuring",
     );
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    sigterm_leaves_nothing(&prefix, bench, rest);
 }
