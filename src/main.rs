@@ -261,7 +261,7 @@ enum Cmd {
         rounds: usize,
         /// Run only the soak, for this many minutes (fractions allowed): connection churn, long
         /// streams, pods added and deleted, policy pushes; a line a minute; exit 1 when RSS or fds
-        /// grew more than 10 % after warm-up or a connection failed.
+        /// grew more than `--soak-growth-limit` (10 %) after warm-up or a connection failed.
         #[arg(long, value_name = "MINUTES")]
         soak: Option<f64>,
         /// New connections per second of the soak's churn.
@@ -273,6 +273,10 @@ enum Cmd {
         /// Seconds between the soak's samples (for short test runs).
         #[arg(long, default_value_t = 60, hide = true)]
         soak_sample_secs: u64,
+        /// Percent the node's RSS and fds may grow after the soak's warm-up sample before it
+        /// fails (a short run's warm-up sample still holds start-up growth).
+        #[arg(long, default_value_t = ztnode::lab::bench::DEFAULT_SOAK_GROWTH_LIMIT_PCT, value_name = "PCT")]
+        soak_growth_limit: u64,
     },
     /// Check this node: CNI config, kernel features, in-pod rules, readiness, istiod, pods' UIDs
     /// and labels. One line per check; exit 1 on a failure, 2 on warnings only.
@@ -476,6 +480,7 @@ fn run(cmd: Cmd) -> anyhow::Result<i32> {
             soak_rate,
             soak_streams,
             soak_sample_secs,
+            soak_growth_limit,
             peer,
             rounds,
         } => Ok(ztnode::lab::bench::run(ztnode::lab::bench::BenchOptions {
@@ -496,6 +501,7 @@ fn run(cmd: Cmd) -> anyhow::Result<i32> {
                         rate: soak_rate,
                         streams: soak_streams,
                         sample: Duration::from_secs(soak_sample_secs),
+                        growth_limit_pct: soak_growth_limit,
                     })
                 })
                 .transpose()?,

@@ -24,7 +24,9 @@ mod setup;
 mod soak;
 mod xds;
 
-pub use options::{BenchOptions, DEFAULT_LAB_PREFIX, Section, SoakOptions};
+pub use options::{
+    BenchOptions, DEFAULT_LAB_PREFIX, DEFAULT_SOAK_GROWTH_LIMIT_PCT, Section, SoakOptions,
+};
 
 use report::{Figures, Machine};
 

@@ -39,6 +39,9 @@ pub struct BenchOptions {
     pub soak: Option<SoakOptions>,
 }
 
+/// Default of [`SoakOptions::growth_limit_pct`], percent.
+pub const DEFAULT_SOAK_GROWTH_LIMIT_PCT: u64 = 10;
+
 /// What `ztnode bench --soak` runs (see `lab::bench::soak`).
 #[derive(Debug, Clone)]
 pub struct SoakOptions {
@@ -50,6 +53,9 @@ pub struct SoakOptions {
     pub streams: usize,
     /// Time between samples (a minute; shorter for tests).
     pub sample: Duration,
+    /// Percent the node's RSS and fds may grow from the warm-up sample to the last before the
+    /// soak fails (10 by default).
+    pub growth_limit_pct: u64,
 }
 
 /// A part of the benchmark that `--only` can select.

@@ -116,7 +116,7 @@ pub(super) fn run(opts: &BenchOptions, soak: &SoakOptions, busy: &Busy) -> anyho
     });
     control.remove_expired(None);
     drop((churn_echo, stream_echo));
-    let verdict = sample::judge(&samples, soak.duration, soak.sample);
+    let verdict = sample::judge(&samples, soak.duration, soak.sample, soak.growth_limit_pct);
     print_verdict(&samples, &verdict, &tally);
     write_json(opts, soak, &machine, &samples, &verdict, &tally)?;
     report::keep_log(&opts.json, &bed.mesh.log);
@@ -310,7 +310,7 @@ fn write_json(
         "cycle_secs": CYCLE.as_secs_f64(),
         "samples": samples,
         "warmup_index": verdict.warmup,
-        "growth_limit_pct": sample::GROWTH_LIMIT_PCT,
+        "growth_limit_pct": soak.growth_limit_pct,
         "passed": verdict.passed(),
         "problems": verdict.problems,
         "notes": verdict.notes,

@@ -5,9 +5,6 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-/// Growth of RSS or fds from the warm-up sample to the last one the verdict allows, percent.
-pub(super) const GROWTH_LIMIT_PCT: u64 = 10;
-
 /// One sample of the soak.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub(super) struct Sample {
@@ -145,11 +142,17 @@ pub(super) fn warmup_secs(duration: Duration, interval: Duration) -> f64 {
 
 /// Judges `samples` (in time order) of a run of `duration` sampled every `interval`: it fails
 /// when no sample follows the warm-up one ([`warmup_secs`]), when the last sample's RSS or fds
-/// exceed the warm-up sample's by more than [`GROWTH_LIMIT_PCT`] %, when any connection failed or
+/// exceed the warm-up sample's by more than `limit_pct` % (`--soak-growth-limit`, default
+/// [`DEFAULT_SOAK_GROWTH_LIMIT_PCT`](crate::lab::bench::DEFAULT_SOAK_GROWTH_LIMIT_PCT)), when any connection failed or
 /// any other error happened, when no connection passed, or when the node never showed a policy
 /// push. Threads and open sockets that grew as much are noted, not failed (tokio's blocking pool
 /// and the connections in flight move them).
-pub(super) fn judge(samples: &[Sample], duration: Duration, interval: Duration) -> Verdict {
+pub(super) fn judge(
+    samples: &[Sample],
+    duration: Duration,
+    interval: Duration,
+    limit_pct: u64,
+) -> Verdict {
     let mut v = Verdict::default();
     let from = warmup_secs(duration, interval);
     // samples are taken at cycle boundaries at or after their due time; allow float dust
@@ -159,27 +162,27 @@ pub(super) fn judge(samples: &[Sample], duration: Duration, interval: Duration) 
         (Some(w), Some(last)) if w + 1 < samples.len() => {
             let warm = &samples[w];
             let mib = |kib: u64| format!("{:.1} MiB", kib as f64 / 1024.0);
-            if let Some(p) = growth(warm.rss_kib, last.rss_kib) {
+            if let Some(p) = growth(warm.rss_kib, last.rss_kib, limit_pct) {
                 v.problems.push(format!(
-                    "RSS grew {p:.1} % since warm-up ({} -> {}; limit {GROWTH_LIMIT_PCT} %)",
+                    "RSS grew {p:.1} % since warm-up ({} -> {}; limit {limit_pct} %)",
                     mib(warm.rss_kib),
                     mib(last.rss_kib)
                 ));
             }
-            if let Some(p) = growth(warm.fds, last.fds) {
+            if let Some(p) = growth(warm.fds, last.fds, limit_pct) {
                 v.problems.push(format!(
-                    "fds grew {p:.1} % since warm-up ({} -> {}; limit {GROWTH_LIMIT_PCT} %)",
+                    "fds grew {p:.1} % since warm-up ({} -> {}; limit {limit_pct} %)",
                     warm.fds, last.fds
                 ));
             }
-            if let Some(p) = growth(warm.threads, last.threads) {
+            if let Some(p) = growth(warm.threads, last.threads, limit_pct) {
                 v.notes.push(format!(
                     "threads grew {p:.1} % since warm-up ({} -> {})",
                     warm.threads, last.threads
                 ));
             }
             if let (Some(a), Some(b)) = (warm.sockets_open, last.sockets_open)
-                && let Some(p) = growth(a, b)
+                && let Some(p) = growth(a, b, limit_pct)
             {
                 v.notes.push(format!(
                     "open sockets grew {p:.1} % since warm-up ({a} -> {b})"
@@ -209,16 +212,17 @@ pub(super) fn judge(samples: &[Sample], duration: Duration, interval: Duration) 
     v
 }
 
-/// How many percent `now` exceeds `base` by, when that is more than [`GROWTH_LIMIT_PCT`].
-fn growth(base: u64, now: u64) -> Option<f64> {
+/// How many percent `now` exceeds `base` by, when that is more than `limit_pct`.
+fn growth(base: u64, now: u64, limit_pct: u64) -> Option<f64> {
     // now > base × (1 + limit/100), in integers
-    (now.saturating_mul(100) > base.saturating_mul(100 + GROWTH_LIMIT_PCT))
+    (now.saturating_mul(100) > base.saturating_mul(100u64.saturating_add(limit_pct)))
         .then(|| (now as f64 / base.max(1) as f64 - 1.0) * 100.0)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::lab::bench::DEFAULT_SOAK_GROWTH_LIMIT_PCT as GROWTH_LIMIT_PCT;
 
     fn sample(secs: f64, rss_kib: u64, fds: u64) -> Sample {
         Sample {
@@ -242,7 +246,12 @@ mod tests {
         let samples: Vec<Sample> = (1..=30)
             .map(|m| sample(m as f64 * 60.0 + 0.3, 20_000, 50))
             .collect();
-        let v = judge(&samples, Duration::from_secs(30 * 60), MIN);
+        let v = judge(
+            &samples,
+            Duration::from_secs(30 * 60),
+            MIN,
+            GROWTH_LIMIT_PCT,
+        );
         // the sample of minute 3
         assert_eq!(v.warmup, Some(2));
         assert!(v.passed(), "{v:?}");
@@ -255,11 +264,11 @@ mod tests {
         // minute 1 is the warm-up; what grew before it does not count
         let mut s = vec![sample(60.0, 20_000, 50), sample(120.0, 21_000, 52)];
         s.push(sample(600.0, 22_000, 55));
-        let v = judge(&s, dur, MIN);
+        let v = judge(&s, dur, MIN, GROWTH_LIMIT_PCT);
         assert_eq!(v.warmup, Some(0));
         assert!(v.passed(), "exactly 10 % is within the limit: {v:?}");
         s.push(sample(660.0, 22_001, 56));
-        let v = judge(&s, dur, MIN);
+        let v = judge(&s, dur, MIN, GROWTH_LIMIT_PCT);
         assert_eq!(v.problems.len(), 2, "{v:?}");
         assert!(v.problems[0].starts_with("RSS grew 10.0 %"), "{v:?}");
         assert!(v.problems[1].starts_with("fds grew 12.0 % since warm-up (50 -> 56"));
@@ -269,7 +278,19 @@ mod tests {
             sample(120.0, 40_000, 90),
             sample(180.0, 20_500, 51),
         ];
-        assert!(judge(&s, dur, MIN).passed());
+        assert!(judge(&s, dur, MIN, GROWTH_LIMIT_PCT).passed());
+    }
+
+    #[test]
+    fn the_growth_limit_is_the_option_s() {
+        let dur = Duration::from_secs(10 * 60);
+        // RSS +20 %, fds +12 %
+        let s = vec![sample(60.0, 20_000, 50), sample(600.0, 24_000, 56)];
+        assert_eq!(judge(&s, dur, MIN, 10).problems.len(), 2);
+        let v = judge(&s, dur, MIN, 15);
+        assert_eq!(v.problems.len(), 1, "{v:?}");
+        assert!(v.problems[0].contains("limit 15 %"), "{v:?}");
+        assert!(judge(&s, dur, MIN, 20).passed());
     }
 
     #[test]
@@ -277,13 +298,13 @@ mod tests {
         let dur = Duration::from_secs(3 * 60);
         let mut s = vec![sample(60.0, 20_000, 50), sample(180.0, 20_000, 50)];
         s[1].threads = 40;
-        let v = judge(&s, dur, MIN);
+        let v = judge(&s, dur, MIN, GROWTH_LIMIT_PCT);
         assert!(v.passed());
         assert_eq!(v.notes, ["threads grew 300.0 % since warm-up (10 -> 40)"]);
         s[1].conns_failed = 2;
         s[1].errors = 1;
         s[1].pushes_seen = 0;
-        let v = judge(&s, dur, MIN);
+        let v = judge(&s, dur, MIN, GROWTH_LIMIT_PCT);
         assert_eq!(
             v.problems,
             [
@@ -298,11 +319,11 @@ mod tests {
     fn a_run_without_a_sample_after_warm_up_fails() {
         let dur = Duration::from_secs(30 * 60);
         let s = vec![sample(60.0, 1, 1), sample(180.0, 1, 1)];
-        let v = judge(&s, dur, MIN);
+        let v = judge(&s, dur, MIN, GROWTH_LIMIT_PCT);
         assert_eq!(v.warmup, Some(1));
         assert!(!v.passed());
         assert!(v.problems[0].contains("before a sample after the warm-up one (180 s)"));
-        let v = judge(&[], dur, MIN);
+        let v = judge(&[], dur, MIN, GROWTH_LIMIT_PCT);
         assert_eq!(v.warmup, None);
         assert_eq!(v.problems.len(), 1);
     }
