@@ -121,8 +121,19 @@ fn busy_pct(before: &[u64], after: &[u64]) -> f64 {
     100.0 * (total - idle) as f64 / total as f64
 }
 
-/// utime + stime (ticks) and name of every process.
-fn read_procs() -> HashMap<u32, (String, u64)> {
+/// What the bench reads of a process's `/proc/<pid>/stat`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct ProcStat {
+    /// `comm`, the name (field 2).
+    pub(super) name: String,
+    /// The parent's pid (field 4).
+    pub(super) ppid: u32,
+    /// utime + stime, clock ticks (fields 14 and 15).
+    pub(super) cpu_ticks: u64,
+}
+
+/// [`ProcStat`] of every process, by pid.
+pub(super) fn read_procs() -> HashMap<u32, ProcStat> {
     let mut out = HashMap::new();
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return out;
@@ -141,26 +152,30 @@ fn read_procs() -> HashMap<u32, (String, u64)> {
     out
 }
 
-/// `(comm, utime + stime)` of a `/proc/<pid>/stat` line: `pid (comm) state ppid ...`, where
-/// comm may hold spaces and parentheses (so the last `)` ends it), utime and stime are fields 14
-/// and 15.
-fn parse_proc_stat(stat: &str) -> Option<(String, u64)> {
+/// Parses a `/proc/<pid>/stat` line (proc(5)): `pid (comm) state ppid ...`, where comm may hold
+/// spaces and parentheses (so the last `)` ends it).
+pub(super) fn parse_proc_stat(stat: &str) -> Option<ProcStat> {
     let open = stat.find('(')?;
     let close = stat.rfind(')')?;
     let name = stat.get(open + 1..close)?.to_owned();
     let mut rest = stat.get(close + 1..)?.split_whitespace();
-    // after comm: state (3) ... utime (14), stime (15)
-    let utime: u64 = rest.nth(11)?.parse().ok()?;
+    // after comm: state (3), ppid (4) ... utime (14), stime (15)
+    let ppid: u32 = rest.nth(1)?.parse().ok()?;
+    let utime: u64 = rest.nth(9)?.parse().ok()?;
     let stime: u64 = rest.next()?.parse().ok()?;
-    Some((name, utime + stime))
+    Some(ProcStat {
+        name,
+        ppid,
+        cpu_ticks: utime + stime,
+    })
 }
 
 /// The up to three processes but `exclude` with the most CPU time between two readings (only
 /// those present in both), each at least 5 % of one CPU; `ticks` is one CPU's ticks over the
 /// interval.
 fn top_consumers(
-    before: &HashMap<u32, (String, u64)>,
-    after: &HashMap<u32, (String, u64)>,
+    before: &HashMap<u32, ProcStat>,
+    after: &HashMap<u32, ProcStat>,
     ticks: f64,
     exclude: u32,
 ) -> Vec<(u32, String, f64)> {
@@ -170,10 +185,10 @@ fn top_consumers(
     let mut used: Vec<(u32, String, f64)> = after
         .iter()
         .filter(|(pid, _)| **pid != exclude)
-        .filter_map(|(pid, (name, t1))| {
-            let (_, t0) = before.get(pid)?;
-            let pct = 100.0 * t1.saturating_sub(*t0) as f64 / ticks;
-            (pct >= 5.0).then(|| (*pid, name.clone(), pct))
+        .filter_map(|(pid, now)| {
+            let then = before.get(pid)?;
+            let pct = 100.0 * now.cpu_ticks.saturating_sub(then.cpu_ticks) as f64 / ticks;
+            (pct >= 5.0).then(|| (*pid, now.name.clone(), pct))
         })
         .collect();
     used.sort_by(|a, b| b.2.total_cmp(&a.2));
@@ -201,7 +216,11 @@ mod tests {
         let line = "4242 (my (odd) proc) R 1 4242 4242 0 -1 4194304 100 0 0 0 70 30 0 0 20 0 1 0";
         assert_eq!(
             parse_proc_stat(line),
-            Some(("my (odd) proc".to_owned(), 100))
+            Some(ProcStat {
+                name: "my (odd) proc".to_owned(),
+                ppid: 1,
+                cpu_ticks: 100
+            })
         );
         assert_eq!(parse_proc_stat("4242 (short) R 1"), None);
     }
@@ -210,7 +229,14 @@ mod tests {
     fn the_top_consumers_are_the_busiest_three_above_five_percent() {
         let p = |v: &[(u32, &str, u64)]| {
             v.iter()
-                .map(|(pid, n, t)| (*pid, (n.to_string(), *t)))
+                .map(|(pid, n, t)| {
+                    let stat = ProcStat {
+                        name: n.to_string(),
+                        ppid: 1,
+                        cpu_ticks: *t,
+                    };
+                    (*pid, stat)
+                })
                 .collect::<HashMap<_, _>>()
         };
         let before = p(&[

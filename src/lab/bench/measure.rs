@@ -52,11 +52,9 @@ fn status_kib(pid: u32, field: &str) -> anyhow::Result<u64> {
 /// and 15, in clock ticks).
 pub(super) fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    // fields after the command name, which is in parentheses and may hold spaces
-    let rest = stat.rsplit_once(')').map(|(_, r)| r).context("no comm")?;
-    let mut fields = rest.split_whitespace().skip(11);
-    let mut tick = || -> anyhow::Result<u64> { Ok(fields.next().context("short stat")?.parse()?) };
-    let ticks = tick()? + tick()?;
+    let ticks = super::busy::parse_proc_stat(&stat)
+        .context("malformed /proc/<pid>/stat")?
+        .cpu_ticks;
     let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)?
         .filter(|&hz| hz > 0)
         .context("no CLK_TCK")?;

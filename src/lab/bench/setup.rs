@@ -249,22 +249,11 @@ fn remove_lab_dirs(prefix: &str) {
 /// SIGKILL to this process's children (those outside the lab's namespaces: the CNI plugin runs,
 /// a fake API server or istiod).
 fn kill_children() {
-    let me = std::process::id().to_string();
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return;
-    };
-    for entry in dir.flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
-            continue;
-        };
-        // `pid (comm) state ppid ...`; comm may hold spaces and parentheses
-        let ppid = stat
-            .rsplit_once(')')
-            .and_then(|(_, rest)| rest.split_whitespace().nth(1));
-        if ppid == Some(me.as_str()) {
+    let me = std::process::id();
+    for (pid, stat) in super::busy::read_procs() {
+        if stat.ppid == me
+            && let Ok(pid) = i32::try_from(pid)
+        {
             let _ = nix::sys::signal::kill(
                 nix::unistd::Pid::from_raw(pid),
                 nix::sys::signal::Signal::SIGKILL,
