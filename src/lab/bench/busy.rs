@@ -103,10 +103,20 @@ fn parse_cpu_line(stat: &str) -> Option<Vec<u64>> {
     (ticks.len() >= 4).then_some(ticks)
 }
 
-/// Non-idle share of the ticks between two `cpu` lines, percent. Idle is `idle` + `iowait`
-/// (fields 4 and 5); `guest` time (fields 9 and 10) is already inside `user`, so only the first
-/// eight fields count.
+/// Non-idle share of the ticks between two `cpu` lines, percent ([`busy_ticks`] over all).
 fn busy_pct(before: &[u64], after: &[u64]) -> f64 {
+    let (busy, total) = busy_ticks(before, after);
+    if total == 0 {
+        return 0.0;
+    }
+    100.0 * busy as f64 / total as f64
+}
+
+/// Busy and all ticks between two `cpu` lines. Busy is user, nice, system, irq and softirq
+/// (fields 1–3, 6, 7): not idle or iowait (4, 5), nor steal (8), time the hypervisor gave to
+/// another guest. `guest` time (fields 9 and 10) is already inside `user`, so only the first
+/// eight fields count.
+fn busy_ticks(before: &[u64], after: &[u64]) -> (u64, u64) {
     let delta = |i: usize| {
         after
             .get(i)
@@ -114,11 +124,16 @@ fn busy_pct(before: &[u64], after: &[u64]) -> f64 {
             .map_or(0, |(a, b)| a.saturating_sub(*b))
     };
     let total: u64 = (0..8).map(delta).sum();
-    if total == 0 {
-        return 0.0;
-    }
-    let idle = delta(3) + delta(4);
-    100.0 * (total - idle) as f64 / total as f64
+    ([0, 1, 2, 5, 6].into_iter().map(delta).sum(), total)
+}
+
+/// The machine's busy CPU time so far ([`busy_ticks`]), in ticks (`CLK_TCK`) summed over all
+/// CPUs: the user, system, irq and softirq time of every process and kernel thread (proc(5)).
+/// Compare two readings.
+pub(super) fn machine_busy_ticks() -> anyhow::Result<u64> {
+    let stat = std::fs::read_to_string("/proc/stat")?;
+    let line = parse_cpu_line(&stat).ok_or_else(|| anyhow::anyhow!("no cpu line in /proc/stat"))?;
+    Ok(busy_ticks(&[0; 8], &line).0)
 }
 
 /// What the bench reads of a process's `/proc/<pid>/stat`.
@@ -201,13 +216,20 @@ mod tests {
     use super::*;
 
     #[test]
-    fn busy_share_counts_everything_but_idle_and_iowait() {
+    fn busy_share_counts_everything_but_idle_iowait_and_steal() {
         let before =
             parse_cpu_line("cpu  100 0 50 1000 10 0 5 0 0 0\ncpu0 1 2 3 4\n").expect("cpu line");
         // +60 user, +20 system, +100 idle, +10 iowait, +10 softirq: 90 busy of 200
         let after = parse_cpu_line("cpu  160 0 70 1100 20 0 15 0 7 0\n").expect("cpu line");
+        let stolen = parse_cpu_line("cpu  160 0 70 1100 20 0 15 40 7 0\n").expect("cpu line");
         assert!((busy_pct(&before, &after) - 45.0).abs() < 1e-9);
         assert_eq!(busy_pct(&before, &before), 0.0);
+        assert_eq!(
+            busy_ticks(&before, &after),
+            (90, 200),
+            "user 60 + system 20 + softirq 10"
+        );
+        assert_eq!(busy_ticks(&before, &stolen), (90, 240), "steal is not busy");
         assert_eq!(parse_cpu_line("cpu0 1 2 3 4\n"), None);
     }
 
@@ -271,6 +293,8 @@ mod tests {
     #[test]
     fn this_machine_s_proc_files_parse() {
         assert!(read_cpu_line().is_some_and(|t| t.len() >= 8));
+        let t0 = machine_busy_ticks().expect("busy ticks");
+        assert!(machine_busy_ticks().expect("busy ticks") >= t0);
         let me = std::process::id();
         assert!(read_procs().contains_key(&me));
         let busy = Busy::sample();

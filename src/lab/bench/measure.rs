@@ -55,10 +55,25 @@ pub(super) fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
     let ticks = super::busy::parse_proc_stat(&stat)
         .context("malformed /proc/<pid>/stat")?
         .cpu_ticks;
+    Ok(ticks as f64 / clock_ticks_per_sec()?)
+}
+
+/// CPU time the whole machine has been busy, seconds summed over all CPUs
+/// ([`super::busy::machine_busy_ticks`]): every process, kernel thread and softirq. The
+/// difference of two readings is what a measurement cost the node, wherever the kernel's
+/// network work ran. (Without `CONFIG_IRQ_TIME_ACCOUNTING`, as on the VMs this bench was
+/// measured on, a process's own [`cpu_seconds`] also holds the softirq work that happened to run
+/// while it was on the CPU: a busier process is charged more of everyone's packets.)
+pub(super) fn machine_cpu_seconds() -> anyhow::Result<f64> {
+    Ok(super::busy::machine_busy_ticks()? as f64 / clock_ticks_per_sec()?)
+}
+
+/// `CLK_TCK`: the unit of `/proc`'s CPU times.
+fn clock_ticks_per_sec() -> anyhow::Result<f64> {
     let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)?
         .filter(|&hz| hz > 0)
         .context("no CLK_TCK")?;
-    Ok(ticks as f64 / hz as f64)
+    Ok(hz as f64)
 }
 
 /// [`rss_kib`] after 1.5 s for the process to settle.

@@ -9,15 +9,18 @@
 //! standalone (`INPOD_UDS`, `LOCAL_XDS_PATH` with the same local config, `FAKE_CA=true`, no xDS
 //! or CA address, `NODE_NAME`, `PROXY_MODE=shared`): a ztunnel built with its `testing` feature.
 //!
-//! Per round and proxy: iperf3 throughput of 1 and 8 streams with the proxy's CPU time per GB
-//! carried, connections per second (connect + 1 KiB round trip + close) with the p99 time per
-//! connection (again with idle CPUs polling, [`PollingIdle`], when the machine has that state: the
-//! share of the rate that is the VM's cost of waking a halted CPU), the 1 KiB round trip the mesh
-//! adds over the direct pair (p99(mesh) − p99(direct) for the p99; all threads on one CPU, and
-//! unpinned), and the proxy's RSS idle (read first) and per held idle connection. CPU time is the
-//! proxy process's user + system time: kernel work in softirq or kernel threads (TCP) is not in
-//! it; both proxies protect records in user space. The report gives each figure's mean per proxy,
-//! the ratio ztnode / peer, and the issue's target for it; JSON too.
+//! Per round and proxy: iperf3 throughput of 1 and 8 streams with the proxy's CPU time and the
+//! whole node's busy CPU time per GB carried, connections per second (connect, 1 KiB round trip,
+//! close) with the p99 time per connection (again with idle CPUs polling, [`PollingIdle`], when
+//! the machine has that state: the share of the rate that is the VM's cost of waking a halted
+//! CPU), the 1 KiB round trip the mesh adds over the direct pair (p99(mesh) − p99(direct) for the
+//! p99; all threads on one CPU, and unpinned), and the proxy's RSS idle (read first) and per held
+//! idle connection. The proxy's CPU time is its user + system time: kernel threads' work is not
+//! in it, and softirq work (TCP receive, pacing timers) is in it only when it ran while a proxy
+//! thread was on the CPU (kernels without `CONFIG_IRQ_TIME_ACCOUNTING`), so a busier proxy is
+//! charged more of the node's packets; the node's figure counts all of it. Both proxies protect
+//! records in user space. The report gives each figure's mean per proxy, the ratio ztnode /
+//! peer with the lowest and highest single-round ratio, and the issue's target; JSON too.
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -27,7 +30,7 @@ use anyhow::Context;
 use serde_json::json;
 
 use super::busy::Busy;
-use super::measure::{self, conn_rate_timed, cpu_seconds, iperf, settle_rss};
+use super::measure::{self, conn_rate_timed, cpu_seconds, iperf, machine_cpu_seconds, settle_rss};
 use super::options::BenchOptions;
 use super::placement::{Placement, PollingIdle};
 use crate::lab::node::{
@@ -102,6 +105,30 @@ impl Figure {
     /// ztnode's mean over the peer's (0 when the peer's is 0).
     fn ratio(&self) -> f64 {
         ratio(&self.ztnode, &self.peer)
+    }
+
+    /// ztnode's sample over the peer's, round by round (rounds where the peer's is not 0). The
+    /// spread shows how far the VM's drift moves a ratio: a target inside it is not settled by
+    /// one run.
+    fn round_ratios(&self) -> Vec<f64> {
+        self.ztnode
+            .iter()
+            .zip(&self.peer)
+            .filter(|(_, p)| **p != 0.0)
+            .map(|(z, p)| z / p)
+            .collect()
+    }
+
+    /// The lowest and highest of [`Figure::round_ratios`] as `lo–hi` (`-` without rounds).
+    fn spread(&self) -> String {
+        let r = self.round_ratios();
+        let lo = r.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = r.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        if r.is_empty() {
+            "-".into()
+        } else {
+            format!("{lo:.2}–{hi:.2}")
+        }
     }
 
     /// The plain relays' mean over the peer's (0 without samples).
@@ -236,6 +263,21 @@ fn figures() -> Vec<Figure> {
             "conn_per_sec_polling_idle",
             "conn/s",
             true,
+            None,
+        ),
+        // what the node pays, wherever the kernel's network work ran
+        Figure::new(
+            "node CPU per GB, 1 stream",
+            "node_cpu_s_per_gb_1",
+            "s",
+            false,
+            None,
+        ),
+        Figure::new(
+            "node CPU per GB, 8 streams",
+            "node_cpu_s_per_gb_8",
+            "s",
+            false,
             None,
         ),
     ]
@@ -474,17 +516,14 @@ fn measure_round(
     }
     for (i, streams) in [(0usize, 1usize), (1, 8)] {
         let cpu = cpu_seconds(pid)?;
+        let node_cpu = machine_cpu_seconds()?;
         let (gbps, bytes) = iperf(m_client, m_server, streams, secs)?;
+        let node_cpu = machine_cpu_seconds()? - node_cpu;
         let cpu = cpu_seconds(pid)? - cpu;
+        let per_gb = |s: f64| if bytes > 0.0 { s / (bytes / 1e9) } else { 0.0 };
         figs[i].push(proxy, gbps);
-        figs[i + 2].push(
-            proxy,
-            if bytes > 0.0 {
-                cpu / (bytes / 1e9)
-            } else {
-                0.0
-            },
-        );
+        figs[i + 2].push(proxy, per_gb(cpu));
+        figs[i + 14].push(proxy, per_gb(node_cpu));
     }
     let rate = conn_rate_timed(m_client, m_server, Duration::from_secs(secs))?;
     figs[4].push(proxy, rate.per_sec);
@@ -518,8 +557,8 @@ fn print(figs: &[Figure], rounds: usize, peer: &Path) {
         peer.display()
     );
     println!(
-        "{:<34} {:>10} {:>10} {:>8} {:>8} {:>10} {:>8}  unit",
-        "figure", "ztnode", "peer", "ratio", "target", "plain", "plain/p"
+        "{:<34} {:>10} {:>10} {:>8} {:>11} {:>8} {:>10} {:>8}  unit",
+        "figure", "ztnode", "peer", "ratio", "per round", "target", "plain", "plain/p"
     );
     for f in figs {
         let target = match (f.target, f.met()) {
@@ -530,17 +569,26 @@ fn print(figs: &[Figure], rounds: usize, peer: &Path) {
             _ => "-".into(),
         };
         println!(
-            "{:<34} {:>10.2} {:>10.2} {:>7.2}x {:>8} {:>10.2} {:>7.2}x  {}",
+            "{:<34} {:>10.2} {:>10.2} {:>7.2}x {:>11} {:>8} {:>10.2} {:>7.2}x  {}",
             f.label,
             mean(&f.ztnode),
             mean(&f.peer),
             f.ratio(),
+            f.spread(),
             target,
             mean(&f.plain),
             f.plain_ratio(),
             f.unit
         );
     }
+    println!(
+        "per round: the lowest and highest ratio of a single round (the VM's drift; a target \
+         inside that range is not settled by this run)"
+    );
+    println!(
+        "node CPU: the whole machine's busy time (every process and the kernel's softirq work, \
+         iperf3 included) per GB; proxy CPU holds only what ran in the proxy's threads"
+    );
     println!(
         "plain: ztnode's proxy with the workloads on protocol TCP (two relays in the same places, \
          no TLS, no HTTP/2): a reference for what TLS and HTTP/2 cost, not a strict bound"
@@ -571,6 +619,7 @@ fn write_json(
             "peer_mean": mean(&f.peer),
             "plain_mean": mean(&f.plain),
             "ratio": f.ratio(),
+            "round_ratios": f.round_ratios(),
             "plain_ratio": f.plain_ratio(),
             "target": f.target,
             "met": f.met(),
@@ -601,6 +650,9 @@ mod tests {
         assert_eq!(cpu.met(), Some(false), "0.875 is over 0.7");
         let empty = Figure::new("e", "e", "s", false, None);
         assert_eq!((empty.ratio(), empty.met()), (0.0, None));
+        assert_eq!(faster.round_ratios(), vec![1.5, 10.0 / 6.0]);
+        assert_eq!(faster.spread(), "1.50–1.67");
+        assert_eq!(empty.spread(), "-");
         faster.push(Proxy::Plain, 12.0);
         assert!((faster.plain_ratio() - 12.0 / 6.0).abs() < 1e-9);
         assert_eq!(empty.plain_ratio(), 0.0);
