@@ -103,37 +103,43 @@ fn parse_cpu_line(stat: &str) -> Option<Vec<u64>> {
     (ticks.len() >= 4).then_some(ticks)
 }
 
-/// Non-idle share of the ticks between two `cpu` lines, percent ([`busy_ticks`] over all).
+/// Non-idle share of the ticks between two `cpu` lines, percent: all but idle and iowait
+/// (fields 4 and 5), so steal counts (the CPU was not the bench's then either).
 fn busy_pct(before: &[u64], after: &[u64]) -> f64 {
-    let (busy, total) = busy_ticks(before, after);
+    let d = tick_deltas(before, after);
+    let total: u64 = d.iter().sum();
     if total == 0 {
         return 0.0;
     }
-    100.0 * busy as f64 / total as f64
+    100.0 * (total - d[3] - d[4]) as f64 / total as f64
 }
 
-/// Busy and all ticks between two `cpu` lines. Busy is user, nice, system, irq and softirq
-/// (fields 1–3, 6, 7): not idle or iowait (4, 5), nor steal (8), time the hypervisor gave to
-/// another guest. `guest` time (fields 9 and 10) is already inside `user`, so only the first
-/// eight fields count.
-fn busy_ticks(before: &[u64], after: &[u64]) -> (u64, u64) {
-    let delta = |i: usize| {
+/// The first eight fields' increase between two `cpu` lines (user, nice, system, idle, iowait,
+/// irq, softirq, steal); `guest` time (fields 9 and 10) is already inside `user`, so it is left
+/// out. A field missing from `before` counts 0 there (an empty `before`: since boot), one
+/// missing from `after` adds nothing.
+fn tick_deltas(before: &[u64], after: &[u64]) -> [u64; 8] {
+    std::array::from_fn(|i| {
         after
             .get(i)
-            .zip(before.get(i))
-            .map_or(0, |(a, b)| a.saturating_sub(*b))
-    };
-    let total: u64 = (0..8).map(delta).sum();
-    ([0, 1, 2, 5, 6].into_iter().map(delta).sum(), total)
+            .map_or(0, |a| a.saturating_sub(before.get(i).copied().unwrap_or(0)))
+    })
 }
 
-/// The machine's busy CPU time so far ([`busy_ticks`]), in ticks (`CLK_TCK`) summed over all
+/// Ticks of work in a `cpu` line's increase: user, nice, system, irq and softirq (fields 1–3, 6,
+/// 7); not idle or iowait, nor steal (time the hypervisor gave to another guest).
+fn work_ticks(before: &[u64], after: &[u64]) -> u64 {
+    let d = tick_deltas(before, after);
+    d[0] + d[1] + d[2] + d[5] + d[6]
+}
+
+/// The machine's work so far ([`work_ticks`] since boot), in ticks (`CLK_TCK`) summed over all
 /// CPUs: the user, system, irq and softirq time of every process and kernel thread (proc(5)).
 /// Compare two readings.
-pub(super) fn machine_busy_ticks() -> anyhow::Result<u64> {
+pub(super) fn machine_work_ticks() -> anyhow::Result<u64> {
     let stat = std::fs::read_to_string("/proc/stat")?;
     let line = parse_cpu_line(&stat).ok_or_else(|| anyhow::anyhow!("no cpu line in /proc/stat"))?;
-    Ok(busy_ticks(&[0; 8], &line).0)
+    Ok(work_ticks(&[], &line))
 }
 
 /// What the bench reads of a process's `/proc/<pid>/stat`.
@@ -216,7 +222,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn busy_share_counts_everything_but_idle_iowait_and_steal() {
+    fn busy_share_counts_all_but_idle_and_iowait_and_work_also_leaves_out_steal() {
         let before =
             parse_cpu_line("cpu  100 0 50 1000 10 0 5 0 0 0\ncpu0 1 2 3 4\n").expect("cpu line");
         // +60 user, +20 system, +100 idle, +10 iowait, +10 softirq: 90 busy of 200
@@ -225,11 +231,16 @@ mod tests {
         assert!((busy_pct(&before, &after) - 45.0).abs() < 1e-9);
         assert_eq!(busy_pct(&before, &before), 0.0);
         assert_eq!(
-            busy_ticks(&before, &after),
-            (90, 200),
+            work_ticks(&before, &after),
+            90,
             "user 60 + system 20 + softirq 10"
         );
-        assert_eq!(busy_ticks(&before, &stolen), (90, 240), "steal is not busy");
+        assert_eq!(work_ticks(&before, &stolen), 90, "steal is not work");
+        assert!(
+            (busy_pct(&before, &stolen) - 100.0 * 130.0 / 240.0).abs() < 1e-9,
+            "steal keeps the CPU from the bench"
+        );
+        assert_eq!(work_ticks(&[], &after), 160 + 70 + 15, "since boot");
         assert_eq!(parse_cpu_line("cpu0 1 2 3 4\n"), None);
     }
 
@@ -293,8 +304,9 @@ mod tests {
     #[test]
     fn this_machine_s_proc_files_parse() {
         assert!(read_cpu_line().is_some_and(|t| t.len() >= 8));
-        let t0 = machine_busy_ticks().expect("busy ticks");
-        assert!(machine_busy_ticks().expect("busy ticks") >= t0);
+        let t0 = machine_work_ticks().expect("work ticks");
+        assert!(t0 > 0, "a booted machine has worked");
+        assert!(machine_work_ticks().expect("work ticks") >= t0);
         let me = std::process::id();
         assert!(read_procs().contains_key(&me));
         let busy = Busy::sample();

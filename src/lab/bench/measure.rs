@@ -58,14 +58,14 @@ pub(super) fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
     Ok(ticks as f64 / clock_ticks_per_sec()?)
 }
 
-/// CPU time the whole machine has been busy, seconds summed over all CPUs
-/// ([`super::busy::machine_busy_ticks`]): every process, kernel thread and softirq. The
-/// difference of two readings is what a measurement cost the node, wherever the kernel's
-/// network work ran. (Without `CONFIG_IRQ_TIME_ACCOUNTING`, as on the VMs this bench was
-/// measured on, a process's own [`cpu_seconds`] also holds the softirq work that happened to run
-/// while it was on the CPU: a busier process is charged more of everyone's packets.)
+/// CPU time the whole machine has worked, seconds summed over all CPUs
+/// ([`super::busy::machine_work_ticks`]): every process, kernel thread, hardirq and softirq;
+/// not steal. The difference of two readings is what a measurement cost the node, wherever the
+/// kernel's network work ran. (Without IRQ time accounting in effect, as on the VMs this bench
+/// was measured on, a process's own [`cpu_seconds`] also holds the hardirq and softirq work that
+/// ran while it was on the CPU: a busier process is charged more of everyone's packets.)
 pub(super) fn machine_cpu_seconds() -> anyhow::Result<f64> {
-    Ok(super::busy::machine_busy_ticks()? as f64 / clock_ticks_per_sec()?)
+    Ok(super::busy::machine_work_ticks()? as f64 / clock_ticks_per_sec()?)
 }
 
 /// `CLK_TCK`: the unit of `/proc`'s CPU times.

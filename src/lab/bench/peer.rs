@@ -16,9 +16,10 @@
 //! CPU), the 1 KiB round trip the mesh adds over the direct pair (p99(mesh) − p99(direct) for the
 //! p99; all threads on one CPU, and unpinned), and the proxy's RSS idle (read first) and per held
 //! idle connection. The proxy's CPU time is its user + system time: kernel threads' work is not
-//! in it, and softirq work (TCP receive, pacing timers) is in it only when it ran while a proxy
-//! thread was on the CPU (kernels without `CONFIG_IRQ_TIME_ACCOUNTING`), so a busier proxy is
-//! charged more of the node's packets; the node's figure counts all of it. Both proxies protect
+//! in it, and interrupt and softirq work (TCP receive, pacing timers) is in it only when it ran
+//! while a proxy thread was on the CPU (without IRQ time accounting in effect, as on this
+//! bench's VMs), so a busier proxy is charged more of the node's packets; the node's figure
+//! counts all of it. Both proxies protect
 //! records in user space. The report gives each figure's mean per proxy, the ratio ztnode /
 //! peer with the lowest and highest single-round ratio, and the target; JSON too.
 
@@ -107,9 +108,11 @@ impl Figure {
         ratio(&self.ztnode, &self.peer)
     }
 
-    /// ztnode's sample over the peer's, round by round (rounds where the peer's is not 0). The
-    /// spread shows how far the VM's drift moves a ratio: a target inside it is not settled by
-    /// one run.
+    /// ztnode's sample over the peer's, round by round (rounds where the peer's is not 0; every
+    /// round measures the same figures, so the i-th samples are one round's). The spread shows
+    /// how far the VM's drift moves a ratio: a target inside it is not settled by one run. For
+    /// the added round trips (differences to the direct path) a small peer figure makes a wide
+    /// spread.
     fn round_ratios(&self) -> Vec<f64> {
         self.ztnode
             .iter()
@@ -338,6 +341,8 @@ pub(super) fn run(opts: &BenchOptions, peer: &Path, busy: &Busy) -> anyhow::Resu
     );
     let mut figs = figures();
     let rounds = opts.rounds.max(1);
+    // decided once, so every round has the same figures and rounds pair up
+    let polling = PollingIdle::check().is_ok();
     for round in 0..rounds {
         // A B C, then C B A: a drift within a round does not always favour the same proxy
         let order = if round % 2 == 0 {
@@ -377,7 +382,7 @@ pub(super) fn run(opts: &BenchOptions, peer: &Path, busy: &Busy) -> anyhow::Resu
                 );
                 std::thread::sleep(opts.hold);
             }
-            measure_round(opts, &pods, process.0.id(), proxy, &mut figs)?;
+            measure_round(opts, &pods, process.0.id(), proxy, polling, &mut figs)?;
             running = Some((proxy, process));
         }
     }
@@ -499,12 +504,14 @@ fn wait_serving(pods: &[Pod; 4]) -> anyhow::Result<()> {
     }
 }
 
-/// Measures every figure once with `proxy` (process `pid`) serving the pods.
+/// Measures every figure once with `proxy` (process `pid`) serving the pods; the connection
+/// rate with idle CPUs polling only when `polling` ([`PollingIdle::check`]).
 fn measure_round(
     opts: &BenchOptions,
     pods: &[Pod; 4],
     pid: u32,
     proxy: Proxy,
+    polling: bool,
     figs: &mut [Figure],
 ) -> anyhow::Result<()> {
     let [d_client, d_server, m_client, m_server] = pods;
@@ -528,7 +535,7 @@ fn measure_round(
     let rate = conn_rate_timed(m_client, m_server, Duration::from_secs(secs))?;
     figs[4].push(proxy, rate.per_sec);
     figs[5].push(proxy, measure::percentile(&rate.each_ms, 0.99));
-    if PollingIdle::check().is_ok() {
+    if polling {
         let _polling = PollingIdle::hold()?;
         let rate = conn_rate_timed(m_client, m_server, Duration::from_secs(secs))?;
         figs[13].push(proxy, rate.per_sec);
@@ -651,6 +658,16 @@ mod tests {
         let empty = Figure::new("e", "e", "s", false, None);
         assert_eq!((empty.ratio(), empty.met()), (0.0, None));
         assert_eq!(faster.round_ratios(), vec![1.5, 10.0 / 6.0]);
+        let mut zero = Figure::new("z", "z", "µs", false, None);
+        for (z, p) in [(5.0, 0.0), (5.0, 10.0)] {
+            zero.push(Proxy::Ztnode, z);
+            zero.push(Proxy::Peer, p);
+        }
+        assert_eq!(
+            zero.round_ratios(),
+            vec![0.5],
+            "a round without a peer figure has no ratio"
+        );
         assert_eq!(faster.spread(), "1.50–1.67");
         assert_eq!(empty.spread(), "-");
         faster.push(Proxy::Plain, 12.0);
