@@ -35,9 +35,10 @@ const READ_BUFFER: usize = 64 * 1024;
 /// Free room in the caller's buffer from which a read goes there directly
 /// ([`TlsStream::poll_read_direct`]) instead of through the receive buffer.
 const DIRECT_READ_MIN: usize = 32 * 1024;
-/// Max plaintext per batch of sealed records (16 full records). One batch is in flight while the
-/// next is sealed, so up to twice this is buffered per connection; a writer waits when both are
-/// full.
+/// Plaintext per batch of sealed records (16 full records; a write whose rest would be less than
+/// a record more goes in whole, so its tail does not follow in a record and a send of its own).
+/// One batch is in flight while the next is sealed, so about twice this is buffered per
+/// connection; a writer waits when both are full.
 const WRITE_QUEUE: usize = 256 * 1024;
 /// Bytes a sealed record adds to its plaintext: header, content type, AEAD tag.
 const RECORD_OVERHEAD: usize = record::HEADER_LEN + 1 + 16;
@@ -352,10 +353,13 @@ impl<IO> TlsStream<IO> {
 
     /// Reads the socket straight into the caller's buffer and decrypts the records there,
     /// compacting their plaintext to the front ([`RecordKey::open_within`]): bulk data is not
-    /// copied again. Only called on a record boundary (`rbuf` empty); the record a read ends
-    /// inside goes to `rbuf`. Returns the bytes read from the socket (`Ready(Ok(0))`: end of
-    /// stream). Past the filled part, the caller's buffer may hold ciphertext and the decrypted
-    /// bodies of records other than data (KeyUpdate, NewSessionTicket).
+    /// copied again. Called with no plaintext pending; the start of a record that an earlier
+    /// read ended inside (in `rbuf`, less than a record) is put in the caller's buffer first and
+    /// the read continues it, and the record this read ends inside goes to `rbuf`. The caller's
+    /// buffer must have room for more than that held part. Returns the bytes read from the
+    /// socket (`Ready(Ok(0))`: end of stream; the held part stays in `rbuf`). Past the filled
+    /// part, the caller's buffer may hold ciphertext and the decrypted bodies of records other
+    /// than data (KeyUpdate, NewSessionTicket).
     fn poll_read_direct(
         &mut self,
         cx: &mut Context<'_>,
@@ -364,15 +368,18 @@ impl<IO> TlsStream<IO> {
     where
         IO: AsyncRead + Unpin,
     {
-        debug_assert!(self.rbuf.len() == self.rpos);
-        self.rbuf.clear();
-        self.rpos = 0;
-        self.plain = 0..0;
+        debug_assert!(self.plain.is_empty());
         let base = out.filled().len();
+        let held = self.rbuf.len() - self.rpos;
+        debug_assert!(held < out.remaining());
+        out.put_slice(&self.rbuf[self.rpos..]);
         let read = Pin::new(&mut self.io).poll_read(cx, out);
-        let n = out.filled().len() - base;
+        let n = out.filled().len() - base - held;
         if !matches!(read, Poll::Ready(Ok(()))) || n == 0 {
-            self.rbuf = BytesMut::new();
+            if held == 0 {
+                self.rbuf = BytesMut::new();
+                self.rpos = 0;
+            }
             out.set_filled(base);
             return match read {
                 Poll::Ready(Ok(())) => Poll::Ready(Ok(0)),
@@ -381,6 +388,10 @@ impl<IO> TlsStream<IO> {
             };
         }
         self.direct_reads += 1;
+        // the held part is in the caller's buffer now
+        self.rbuf.clear();
+        self.rpos = 0;
+        self.plain = 0..0;
         let buf = out.filled_mut();
         let end = buf.len();
         let mut at = base;
@@ -610,8 +621,9 @@ impl<IO: AsyncRead + AsyncWrite + Unpin> TlsStream<IO> {
                 return Poll::Ready(Ok(()));
             }
             let held = this.rbuf.len() - this.rpos;
-            let direct = this.handshake.is_empty() && out.remaining() >= DIRECT_READ_MIN;
-            let filled = if direct && held == 0 {
+            // (what `rbuf` holds here is less than a record: the room is for more than that)
+            let direct = this.handshake.is_empty() && out.remaining() >= DIRECT_READ_MIN + held;
+            let filled = if direct {
                 match ready!(this.poll_read_direct(cx, out)) {
                     Ok(n) => {
                         if !this.wnext.is_empty() {
@@ -630,13 +642,6 @@ impl<IO: AsyncRead + AsyncWrite + Unpin> TlsStream<IO> {
                         return Poll::Ready(Err(e));
                     }
                 }
-            } else if direct {
-                // finish the partial record alone, so the next read starts on a boundary
-                let missing = match record::record_len(&this.rbuf[this.rpos..]) {
-                    Ok(Some(len)) => len.saturating_sub(held),
-                    _ => record::HEADER_LEN.saturating_sub(held),
-                };
-                ready!(this.poll_fill(cx, missing.max(1)))?
             } else {
                 ready!(this.poll_fill(cx, usize::MAX))?
             };
@@ -678,11 +683,14 @@ impl<IO: AsyncRead + AsyncWrite + Unpin> AsyncWrite for TlsStream<IO> {
         if this.wnext.len() >= WRITE_QUEUE {
             return Poll::Pending;
         }
-        let total = bufs
-            .iter()
-            .map(|b| b.len())
-            .sum::<usize>()
-            .min(WRITE_QUEUE - this.wnext.len());
+        let offered = bufs.iter().map(|b| b.len()).sum::<usize>();
+        let room = WRITE_QUEUE - this.wnext.len();
+        // e.g. an HTTP/2 frame of 1 MiB is 4 batches and its 9-byte header: not 5 sends
+        let total = if offered.saturating_sub(room) < record::MAX_PLAINTEXT {
+            offered
+        } else {
+            room
+        };
         // room for all the records at once, so sealing does not regrow (and recopy) the batch
         let records = total.div_ceil(record::MAX_PLAINTEXT);
         this.wnext.reserve(total + records * RECORD_OVERHEAD);
