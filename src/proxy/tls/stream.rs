@@ -379,6 +379,7 @@ impl<IO> TlsStream<IO> {
             if held == 0 {
                 self.rbuf = BytesMut::new();
                 self.rpos = 0;
+                self.plain = 0..0;
             }
             out.set_filled(base);
             return match read {
@@ -388,10 +389,6 @@ impl<IO> TlsStream<IO> {
             };
         }
         self.direct_reads += 1;
-        // the held part is in the caller's buffer now
-        self.rbuf.clear();
-        self.rpos = 0;
-        self.plain = 0..0;
         let buf = out.filled_mut();
         let end = buf.len();
         let mut at = base;
@@ -421,11 +418,25 @@ impl<IO> TlsStream<IO> {
             }
             at += len;
         }
-        if failed.is_none() && !self.read_closed && at < end {
-            // room for the whole record, so finishing it does not regrow the buffer
-            self.rbuf
-                .reserve(record::HEADER_LEN + record::MAX_CIPHERTEXT);
-            self.rbuf.extend_from_slice(&buf[at..end]);
+        let tail = failed.is_none() && !self.read_closed && at < end;
+        if at == base {
+            // no record finished: `rbuf` still holds the start, add what was read (not the whole
+            // held part again, which a record arriving in small pieces would make quadratic)
+            if tail {
+                self.rbuf
+                    .reserve((record::HEADER_LEN + record::MAX_CIPHERTEXT).saturating_sub(held));
+                self.rbuf.extend_from_slice(&buf[base + held..end]);
+            }
+        } else {
+            self.rbuf.clear();
+            self.rpos = 0;
+            self.plain = 0..0;
+            if tail {
+                // room for the whole record, so finishing it does not regrow the buffer
+                self.rbuf
+                    .reserve(record::HEADER_LEN + record::MAX_CIPHERTEXT);
+                self.rbuf.extend_from_slice(&buf[at..end]);
+            }
         }
         out.set_filled(dst);
         match failed {

@@ -495,9 +495,9 @@ async fn a_write_whose_rest_is_under_a_record_goes_in_whole() {
     }))
     .await
     .expect("write");
-    assert!(
-        n <= WRITE_QUEUE,
-        "a rest of a whole record waits for the next batch: {n}"
+    assert_eq!(
+        n, WRITE_QUEUE,
+        "a rest of a whole record waits for the next batch"
     );
 }
 
@@ -561,6 +561,38 @@ async fn a_socket_error_is_returned_as_it_is_and_not_kept() {
         .await
         .expect("read after the error");
     assert_eq!(&got[..n], b"after");
+}
+
+#[tokio::test]
+async fn a_socket_error_keeps_a_held_partial_record() {
+    let (client, server) = configs();
+    let (c, s) = tokio::io::duplex(64 * 1024);
+    let s = Flaky {
+        io: s,
+        fail_next: false,
+    };
+    let (c, s) =
+        within(async { tokio::join!(connect(client, name(), c), accept(server, s)) }).await;
+    let (mut c, mut s) = (c.expect("client"), s.expect("server"));
+    c.write_all(&payload(5000)).await.expect("write");
+    c.flush().await.expect("flush");
+    let mut raw = vec![0u8; 5 + 5000 + 1 + 16];
+    // taken off the server's socket, to be written to it again in two parts
+    within(s.io.io.read_exact(&mut raw))
+        .await
+        .expect("raw record");
+    let mut buf = vec![0u8; 64 * 1024];
+    c.io.write_all(&raw[..1000]).await.expect("first part");
+    let early = tokio::time::timeout(Duration::from_millis(50), s.read(&mut buf)).await;
+    assert!(early.is_err(), "{early:?}");
+    assert_eq!(s.rbuf.len() - s.rpos, 1000, "the partial record is held");
+    s.io.fail_next = true;
+    let err = within(s.read(&mut buf)).await.expect_err("interrupted");
+    assert_eq!(err.kind(), io::ErrorKind::Interrupted);
+    assert_eq!(s.rbuf.len() - s.rpos, 1000, "still held after the error");
+    c.io.write_all(&raw[1000..]).await.expect("rest");
+    let n = within(s.read(&mut buf)).await.expect("the record");
+    assert!(buf[..n] == payload(5000)[..], "{n}");
 }
 
 #[tokio::test]
