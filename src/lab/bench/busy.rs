@@ -137,8 +137,7 @@ fn work_ticks(before: &[u64], after: &[u64]) -> u64 {
 /// CPUs: the user, system, irq and softirq time of every process and kernel thread (proc(5)).
 /// Compare two readings.
 pub(super) fn machine_work_ticks() -> anyhow::Result<u64> {
-    let stat = std::fs::read_to_string("/proc/stat")?;
-    let line = parse_cpu_line(&stat).ok_or_else(|| anyhow::anyhow!("no cpu line in /proc/stat"))?;
+    let line = read_cpu_line().ok_or_else(|| anyhow::anyhow!("no cpu line in /proc/stat"))?;
     Ok(work_ticks(&[], &line))
 }
 

@@ -419,67 +419,6 @@ async fn truncation_without_close_notify_is_an_error() {
 }
 
 #[tokio::test]
-async fn a_record_split_across_reads_is_continued_by_the_next_direct_read() {
-    let (mut c, mut s) = ours().await;
-    c.write_all(&payload(5000)).await.expect("write");
-    c.flush().await.expect("flush");
-    let mut raw = vec![0u8; 5 + 5000 + 1 + 16];
-    within(s.io.read_exact(&mut raw)).await.expect("raw record");
-    c.io.write_all(&raw[..1000]).await.expect("first part");
-    let mut buf = vec![0u8; 64 * 1024];
-    let early = tokio::time::timeout(Duration::from_millis(50), s.read(&mut buf)).await;
-    assert!(
-        early.is_err(),
-        "no data before the record is whole: {early:?}"
-    );
-    assert_eq!(s.rbuf.len() - s.rpos, 1000, "the partial record is held");
-    assert_eq!(s.direct_reads, 1, "{s:?}");
-    // the rest of the record and a whole one after it, in one write
-    let more = payload(20_000);
-    c.write_all(&more).await.expect("write");
-    c.flush().await.expect("flush");
-    let mut tail = vec![0u8; 2 * (5 + 1 + 16) + 20_000];
-    within(s.io.read_exact(&mut tail))
-        .await
-        .expect("raw records");
-    let mut rest = raw[1000..].to_vec();
-    rest.extend_from_slice(&tail);
-    c.io.write_all(&rest).await.expect("rest");
-    // one read: the held part goes first in the caller's buffer, the socket's bytes after it,
-    // and both records decrypt there (not the held record's rest alone first)
-    let n = within(s.read(&mut buf)).await.expect("records");
-    let mut want = payload(5000);
-    want.extend_from_slice(&more);
-    assert_eq!(n, want.len(), "both records in one read");
-    assert!(buf[..n] == want[..]);
-    assert_eq!(s.direct_reads, 2, "{s:?}");
-    assert!(s.rbuf.is_empty());
-}
-
-#[tokio::test]
-async fn a_small_buffer_finishes_a_held_record_through_the_receive_buffer() {
-    let (mut c, mut s) = ours().await;
-    c.write_all(&payload(5000)).await.expect("write");
-    c.flush().await.expect("flush");
-    let mut raw = vec![0u8; 5 + 5000 + 1 + 16];
-    within(s.io.read_exact(&mut raw)).await.expect("raw record");
-    c.io.write_all(&raw[..1000]).await.expect("first part");
-    let mut big = vec![0u8; 64 * 1024];
-    let early = tokio::time::timeout(Duration::from_millis(50), s.read(&mut big)).await;
-    assert!(early.is_err(), "{early:?}");
-    c.io.write_all(&raw[1000..]).await.expect("rest");
-    // less room than the held part and a direct read's minimum: the receive buffer finishes it
-    let mut small = vec![0u8; DIRECT_READ_MIN];
-    let mut got = Vec::new();
-    while got.len() < 5000 {
-        let n = within(s.read(&mut small)).await.expect("record");
-        got.extend_from_slice(&small[..n]);
-    }
-    assert!(got == payload(5000));
-    assert_eq!(s.direct_reads, 1, "{s:?}");
-}
-
-#[tokio::test]
 async fn a_write_whose_rest_is_under_a_record_goes_in_whole() {
     let (mut c, _s) = ours_over(4 * 1024 * 1024).await;
     let data = payload(WRITE_QUEUE + 9);
@@ -536,8 +475,8 @@ impl AsyncWrite for Flaky {
     }
 }
 
-#[tokio::test]
-async fn a_socket_error_is_returned_as_it_is_and_not_kept() {
+/// Our client and our server over a pipe whose server end fails its next read when asked.
+async fn ours_flaky() -> (TlsStream<DuplexStream>, TlsStream<Flaky>) {
     let (client, server) = configs();
     let (c, s) = tokio::io::duplex(64 * 1024);
     let s = Flaky {
@@ -546,7 +485,34 @@ async fn a_socket_error_is_returned_as_it_is_and_not_kept() {
     };
     let (c, s) =
         within(async { tokio::join!(connect(client, name(), c), accept(server, s)) }).await;
-    let (mut c, mut s) = (c.expect("client"), s.expect("server"));
+    (c.expect("client"), s.expect("server"))
+}
+
+/// Has `c` send one record of `payload(5000)`, takes it off `s`'s socket and gives `s` only its
+/// first 1000 bytes, which a read then holds without returning anything. Returns the record's
+/// other bytes, for the caller to write to `s` (through `c.io`).
+async fn hold_a_partial_record<IO: AsyncRead + AsyncWrite + Unpin>(
+    c: &mut TlsStream<DuplexStream>,
+    s: &mut TlsStream<IO>,
+) -> Vec<u8> {
+    c.write_all(&payload(5000)).await.expect("write");
+    c.flush().await.expect("flush");
+    let mut raw = vec![0u8; 5 + 5000 + 1 + 16];
+    within(s.io.read_exact(&mut raw)).await.expect("raw record");
+    c.io.write_all(&raw[..1000]).await.expect("first part");
+    let mut buf = vec![0u8; 64 * 1024];
+    let early = tokio::time::timeout(Duration::from_millis(50), s.read(&mut buf)).await;
+    assert!(
+        early.is_err(),
+        "no data before the record is whole: {early:?}"
+    );
+    assert_eq!(s.rbuf.len() - s.rpos, 1000, "the partial record is held");
+    raw.split_off(1000)
+}
+
+#[tokio::test]
+async fn a_socket_error_is_returned_as_it_is_and_not_kept() {
+    let (mut c, mut s) = ours_flaky().await;
     c.write_all(b"after").await.expect("write");
     c.flush().await.expect("flush");
     for size in [8, 64 * 1024] {
@@ -565,32 +531,14 @@ async fn a_socket_error_is_returned_as_it_is_and_not_kept() {
 
 #[tokio::test]
 async fn a_socket_error_keeps_a_held_partial_record() {
-    let (client, server) = configs();
-    let (c, s) = tokio::io::duplex(64 * 1024);
-    let s = Flaky {
-        io: s,
-        fail_next: false,
-    };
-    let (c, s) =
-        within(async { tokio::join!(connect(client, name(), c), accept(server, s)) }).await;
-    let (mut c, mut s) = (c.expect("client"), s.expect("server"));
-    c.write_all(&payload(5000)).await.expect("write");
-    c.flush().await.expect("flush");
-    let mut raw = vec![0u8; 5 + 5000 + 1 + 16];
-    // taken off the server's socket, to be written to it again in two parts
-    within(s.io.io.read_exact(&mut raw))
-        .await
-        .expect("raw record");
+    let (mut c, mut s) = ours_flaky().await;
+    let rest = hold_a_partial_record(&mut c, &mut s).await;
     let mut buf = vec![0u8; 64 * 1024];
-    c.io.write_all(&raw[..1000]).await.expect("first part");
-    let early = tokio::time::timeout(Duration::from_millis(50), s.read(&mut buf)).await;
-    assert!(early.is_err(), "{early:?}");
-    assert_eq!(s.rbuf.len() - s.rpos, 1000, "the partial record is held");
     s.io.fail_next = true;
     let err = within(s.read(&mut buf)).await.expect_err("interrupted");
     assert_eq!(err.kind(), io::ErrorKind::Interrupted);
     assert_eq!(s.rbuf.len() - s.rpos, 1000, "still held after the error");
-    c.io.write_all(&raw[1000..]).await.expect("rest");
+    c.io.write_all(&rest).await.expect("rest");
     let n = within(s.read(&mut buf)).await.expect("the record");
     assert!(buf[..n] == payload(5000)[..], "{n}");
 }
@@ -714,22 +662,6 @@ async fn key_update_with_an_illegal_request_or_length_gets_its_alert() {
 }
 
 #[tokio::test]
-async fn a_record_header_split_across_reads_is_joined() {
-    let (mut c, mut s) = ours().await;
-    c.write_all(b"split header").await.expect("write");
-    c.flush().await.expect("flush");
-    let mut raw = vec![0u8; 5 + 12 + 1 + 16];
-    within(s.io.read_exact(&mut raw)).await.expect("raw record");
-    c.io.write_all(&raw[..3]).await.expect("three header bytes");
-    let mut buf = vec![0u8; 64 * 1024];
-    let early = tokio::time::timeout(Duration::from_millis(50), s.read(&mut buf)).await;
-    assert!(early.is_err(), "no data yet: {early:?}");
-    c.io.write_all(&raw[3..]).await.expect("the rest");
-    let n = within(s.read(&mut buf)).await.expect("record");
-    assert_eq!(&buf[..n], b"split header");
-}
-
-#[tokio::test]
 async fn no_alert_after_our_close_notify() {
     let (mut c, mut s) = ours().await;
     within(s.shutdown()).await.expect("close_notify");
@@ -743,125 +675,11 @@ async fn no_alert_after_our_close_notify() {
     assert!(s.wnext.is_empty() && s.wbuf.is_empty(), "{s:?}");
 }
 
-/// Counts how often it is woken.
-#[derive(Default)]
-struct CountingWaker(std::sync::atomic::AtomicUsize);
-
-impl std::task::Wake for CountingWaker {
-    fn wake(self: Arc<Self>) {
-        self.wake_by_ref();
-    }
-
-    fn wake_by_ref(self: &Arc<Self>) {
-        self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    }
-}
-
-#[tokio::test]
-async fn a_long_read_streak_yields_once_per_streak_and_wakes_itself() {
-    let small = payload(100 * 1024);
-    let (mut c, mut s) = ours().await;
-    let (_, got) =
-        within(async { tokio::join!(send_all(&mut c, &small), read_large(&mut s)) }).await;
-    assert_eq!(got.expect("read"), small);
-    assert_eq!(s.read_yields, 0, "100 KiB do not make a streak");
-
-    let bulk = payload(3 * READ_YIELD_AFTER + 12_345);
-    // the whole transfer fits in the pipe, so the reader's socket never runs dry
-    let (mut c, mut s) = ours_over(8 * 1024 * 1024).await;
-    within(send_all(&mut c, &bulk)).await;
-    // outside tokio's cooperative budget, which would end the pipe's reads in this one poll
-    let (got, streaks) = tokio::task::unconstrained(async { read_counting_pending(&mut s) }).await;
-    assert_eq!(got, bulk, "nothing lost or reordered across the yields");
-    assert!(
-        streaks.len() >= 2,
-        "a yield after each READ_YIELD_AFTER bytes: {streaks:?}"
-    );
-    assert_eq!(s.read_yields, streaks.len() as u64);
-    for n in streaks {
-        assert!(
-            (READ_YIELD_AFTER..READ_YIELD_AFTER + 256 * 1024).contains(&n),
-            "a streak of {n} bytes before its yield"
-        );
-    }
-}
-
-/// Reads `s` to its end by polling it directly with a [`CountingWaker`] and 256 KiB reads;
-/// returns the data and, for each read that returned `Pending` (each must have woken the waker
-/// first), the bytes delivered since the previous one.
-fn read_counting_pending(s: &mut TlsStream<DuplexStream>) -> (Vec<u8>, Vec<usize>) {
-    let count = Arc::new(CountingWaker::default());
-    let waker = std::task::Waker::from(count.clone());
-    let mut cx = Context::from_waker(&waker);
-    let mut buf = vec![0u8; 256 * 1024];
-    let (mut got, mut streaks, mut streak) = (Vec::new(), Vec::new(), 0);
-    loop {
-        let mut rb = ReadBuf::new(&mut buf);
-        match Pin::new(&mut *s).poll_read(&mut cx, &mut rb) {
-            Poll::Ready(Ok(())) if rb.filled().is_empty() => break,
-            Poll::Ready(Ok(())) => {
-                streak += rb.filled().len();
-                got.extend_from_slice(rb.filled());
-            }
-            Poll::Ready(Err(e)) => panic!("read: {e}"),
-            Poll::Pending => {
-                streaks.push(std::mem::take(&mut streak));
-                assert_eq!(
-                    count.0.load(std::sync::atomic::Ordering::Relaxed),
-                    streaks.len(),
-                    "a yield wakes its task before returning Pending"
-                );
-            }
-        }
-    }
-    (got, streaks)
-}
-
-#[tokio::test]
-async fn a_socket_that_runs_dry_starts_a_new_streak() {
-    let part = payload(768 * 1024);
-    let (mut c, mut s) = ours_over(8 * 1024 * 1024).await;
-    let count = Arc::new(CountingWaker::default());
-    let waker = std::task::Waker::from(count.clone());
-    let mut buf = vec![0u8; 256 * 1024];
-    let mut got = Vec::new();
-    for last in [false, true] {
-        c.write_all(&part).await.expect("write");
-        if last {
-            c.shutdown().await.expect("close_notify");
-        } else {
-            c.flush().await.expect("flush");
-        }
-        let woken_before = count.0.load(std::sync::atomic::Ordering::Relaxed);
-        let dry = tokio::task::unconstrained(async {
-            let mut cx = Context::from_waker(&waker);
-            loop {
-                let mut rb = ReadBuf::new(&mut buf);
-                match Pin::new(&mut s).poll_read(&mut cx, &mut rb) {
-                    Poll::Ready(Ok(())) if rb.filled().is_empty() => return false,
-                    Poll::Ready(Ok(())) => got.extend_from_slice(rb.filled()),
-                    Poll::Ready(Err(e)) => panic!("read: {e}"),
-                    Poll::Pending => return true,
-                }
-            }
-        })
-        .await;
-        assert_eq!(
-            dry, !last,
-            "the first part runs the pipe dry, the second ends it"
-        );
-        assert_eq!(
-            count.0.load(std::sync::atomic::Ordering::Relaxed),
-            woken_before,
-            "running dry is no yield"
-        );
-    }
-    assert_eq!(got.len(), 2 * part.len());
-    assert_eq!(s.read_yields, 0, "1.5 MiB in two streaks of 768 KiB");
-}
-
 #[path = "handshake_tests.rs"]
 mod handshake;
+
+#[path = "stream_read_tests.rs"]
+mod read;
 
 /// A small deterministic PRNG (xorshift64*) for the randomized tests.
 struct Rng(u64);
