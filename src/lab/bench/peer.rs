@@ -122,6 +122,23 @@ impl Figure {
             .collect()
     }
 
+    /// The median of [`Figure::round_ratios`] (the mean of the middle two for an even count;
+    /// `None` without rounds): the pairs' typical ratio, which a round caught in one of the VM's
+    /// slow spells moves less than it moves the ratio of the means.
+    fn median_round_ratio(&self) -> Option<f64> {
+        let mut r = self.round_ratios();
+        if r.is_empty() {
+            return None;
+        }
+        r.sort_by(f64::total_cmp);
+        let mid = r.len() / 2;
+        Some(if r.len().is_multiple_of(2) {
+            (r[mid - 1] + r[mid]) / 2.0
+        } else {
+            r[mid]
+        })
+    }
+
     /// The lowest and highest of [`Figure::round_ratios`] as `lo–hi` (`-` without rounds).
     fn spread(&self) -> String {
         let r = self.round_ratios();
@@ -564,8 +581,8 @@ fn print(figs: &[Figure], rounds: usize, peer: &Path) {
         peer.display()
     );
     println!(
-        "{:<34} {:>10} {:>10} {:>8} {:>11} {:>8} {:>10} {:>8}  unit",
-        "figure", "ztnode", "peer", "ratio", "per round", "target", "plain", "plain/p"
+        "{:<34} {:>10} {:>10} {:>8} {:>8} {:>11} {:>8} {:>10} {:>8}  unit",
+        "figure", "ztnode", "peer", "ratio", "median", "per round", "target", "plain", "plain/p"
     );
     for f in figs {
         let target = match (f.target, f.met()) {
@@ -575,12 +592,16 @@ fn print(figs: &[Figure], rounds: usize, peer: &Path) {
             (Some(t), _) => format!("{}{t} no", if f.higher_is_better { ">=" } else { "<=" }),
             _ => "-".into(),
         };
+        let median = f
+            .median_round_ratio()
+            .map_or_else(|| "-".to_string(), |m| format!("{m:.2}x"));
         println!(
-            "{:<34} {:>10.2} {:>10.2} {:>7.2}x {:>11} {:>8} {:>10.2} {:>7.2}x  {}",
+            "{:<34} {:>10.2} {:>10.2} {:>7.2}x {:>8} {:>11} {:>8} {:>10.2} {:>7.2}x  {}",
             f.label,
             mean(&f.ztnode),
             mean(&f.peer),
             f.ratio(),
+            median,
             f.spread(),
             target,
             mean(&f.plain),
@@ -589,8 +610,9 @@ fn print(figs: &[Figure], rounds: usize, peer: &Path) {
         );
     }
     println!(
-        "per round: the lowest and highest ratio of a single round (the VM's drift; a target \
-         inside that range is not settled by this run)"
+        "ratio: of the means; median and per round: of each round's own ratio (ztnode's sample \
+         over the peer's, minutes apart), the median and the lowest and highest (the VM's drift; \
+         a target inside that range is not settled by this run)"
     );
     println!(
         "node CPU: the whole machine's busy time (every process and the kernel's softirq work, \
@@ -627,6 +649,7 @@ fn write_json(
             "plain_mean": mean(&f.plain),
             "ratio": f.ratio(),
             "round_ratios": f.round_ratios(),
+            "median_round_ratio": f.median_round_ratio(),
             "plain_ratio": f.plain_ratio(),
             "target": f.target,
             "met": f.met(),
@@ -669,6 +692,21 @@ mod tests {
             "a round without a peer figure has no ratio"
         );
         assert_eq!(faster.spread(), "1.50–1.67");
+        assert!(
+            (faster.median_round_ratio().unwrap_or(0.0) - (1.5 + 10.0 / 6.0) / 2.0).abs() < 1e-9
+        );
+        assert_eq!(zero.median_round_ratio(), Some(0.5));
+        assert_eq!(empty.median_round_ratio(), None);
+        let mut odd = Figure::new("o", "o", "conn/s", true, Some(1.5));
+        for (z, p) in [(30.0, 10.0), (12.0, 10.0), (16.0, 10.0)] {
+            odd.push(Proxy::Ztnode, z);
+            odd.push(Proxy::Peer, p);
+        }
+        assert_eq!(
+            odd.median_round_ratio(),
+            Some(1.6),
+            "the middle ratio, not the mean's 1.93 that one fast round lifts"
+        );
         assert_eq!(empty.spread(), "-");
         faster.push(Proxy::Plain, 12.0);
         assert!((faster.plain_ratio() - 12.0 / 6.0).abs() < 1e-9);
