@@ -611,8 +611,8 @@ fn print(figs: &[Figure], rounds: usize, peer: &Path) {
     }
     println!(
         "ratio: of the means; median and per round: of each round's own ratio (ztnode's sample \
-         over the peer's, minutes apart), the median and the lowest and highest (the VM's drift; \
-         a target inside that range is not settled by this run)"
+         over the peer's, up to minutes apart), the median and the lowest and highest (the \
+         VM's drift; a target inside that range is not settled by this run)"
     );
     println!(
         "node CPU: the whole machine's busy time (every process and the kernel's softirq work, \
