@@ -488,26 +488,38 @@ async fn ours_flaky() -> (TlsStream<DuplexStream>, TlsStream<Flaky>) {
     (c.expect("client"), s.expect("server"))
 }
 
-/// Has `c` send one record of `payload(5000)`, takes it off `s`'s socket and gives `s` only its
-/// first 1000 bytes, which a read then holds without returning anything. Returns the record's
+/// Has `c` send `data` as one record, takes it off `s`'s socket and gives `s` only its first
+/// `part` bytes, which a read then waits on without returning anything. Returns the record's
 /// other bytes, for the caller to write to `s` (through `c.io`).
-async fn hold_a_partial_record<IO: AsyncRead + AsyncWrite + Unpin>(
+async fn send_part_of_a_record<IO: AsyncRead + AsyncWrite + Unpin>(
     c: &mut TlsStream<DuplexStream>,
     s: &mut TlsStream<IO>,
+    data: &[u8],
+    part: usize,
 ) -> Vec<u8> {
-    c.write_all(&payload(5000)).await.expect("write");
+    c.write_all(data).await.expect("write");
     c.flush().await.expect("flush");
-    let mut raw = vec![0u8; 5 + 5000 + 1 + 16];
+    let mut raw = vec![0u8; 5 + data.len() + 1 + 16];
     within(s.io.read_exact(&mut raw)).await.expect("raw record");
-    c.io.write_all(&raw[..1000]).await.expect("first part");
+    c.io.write_all(&raw[..part]).await.expect("first part");
     let mut buf = vec![0u8; 64 * 1024];
     let early = tokio::time::timeout(Duration::from_millis(50), s.read(&mut buf)).await;
     assert!(
         early.is_err(),
         "no data before the record is whole: {early:?}"
     );
+    raw.split_off(part)
+}
+
+/// [`send_part_of_a_record`] with a record of `payload(5000)` of which `s` holds the first 1000
+/// bytes.
+async fn hold_a_partial_record<IO: AsyncRead + AsyncWrite + Unpin>(
+    c: &mut TlsStream<DuplexStream>,
+    s: &mut TlsStream<IO>,
+) -> Vec<u8> {
+    let rest = send_part_of_a_record(c, s, &payload(5000), 1000).await;
     assert_eq!(s.rbuf.len() - s.rpos, 1000, "the partial record is held");
-    raw.split_off(1000)
+    rest
 }
 
 #[tokio::test]
