@@ -215,7 +215,7 @@ struct Down {
     total: u64,
     /// The stream ended; the socket still needs its write side shut down.
     eof: bool,
-    /// Write side shut down.
+    /// Write side shut down, or left to the socket's close when the read side had ended too.
     done: bool,
 }
 
@@ -362,7 +362,11 @@ impl H2Relay {
                 continue;
             }
             if self.down.eof {
-                ready!(Pin::new(&mut self.tcp).poll_shutdown(cx))?;
+                // With the app's side already ended too, the relay is over and dropping the
+                // socket sends the FIN: no `shutdown` right before that `close`.
+                if !self.up.done {
+                    ready!(Pin::new(&mut self.tcp).poll_shutdown(cx))?;
+                }
                 self.down.done = true;
                 return Poll::Ready(Ok(()));
             }

@@ -98,6 +98,19 @@ pub fn forwarded(client: SocketAddr, service_host: Option<&str>) -> String {
     }
 }
 
+/// `value` as a header value that HPACK sends as a literal never indexed (RFC 7541 §6.2.3), for
+/// values unique to one request (`forwarded` carries the client's port, `traceparent` random ids):
+/// indexing them would only fill both ends' dynamic tables with entries never used again, each
+/// insertion evicting a reusable one and lengthening the encoder's search of that header name.
+///
+/// # Errors
+/// A character a header value cannot hold (RFC 9110 §5.5).
+pub fn per_request(value: String) -> Result<http::HeaderValue, http::header::InvalidHeaderValue> {
+    let mut v = http::HeaderValue::try_from(value)?;
+    v.set_sensitive(true);
+    Ok(v)
+}
+
 /// A random W3C `traceparent` value: `00-<32 hex trace id>-<16 hex parent id>-00`, both ids
 /// non-zero (W3C Trace Context §3.2). The ids only need to be unique, not secret: they come from a
 /// per-thread non-cryptographic generator (no syscall per connection).
@@ -256,5 +269,61 @@ mod tests {
                 "{host:?}"
             );
         }
+    }
+
+    /// The header blocks of the first `n` HEADERS frames a client wrote into `wire` (after the
+    /// 24-byte preface; frame layout RFC 9113 §4.1).
+    async fn header_blocks(wire: &mut tokio::io::DuplexStream, n: usize) -> Vec<Vec<u8>> {
+        use tokio::io::AsyncReadExt;
+        let mut preface = [0u8; 24];
+        wire.read_exact(&mut preface).await.expect("preface");
+        let mut blocks = Vec::new();
+        while blocks.len() < n {
+            let mut head = [0u8; 9];
+            wire.read_exact(&mut head).await.expect("frame head");
+            let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+            let mut payload = vec![0u8; len];
+            wire.read_exact(&mut payload).await.expect("frame payload");
+            if head[3] == 0x1 {
+                blocks.push(payload);
+            }
+        }
+        blocks
+    }
+
+    #[tokio::test]
+    async fn per_request_values_are_never_indexed() {
+        let (io, mut wire) = tokio::io::duplex(1 << 16);
+        let (mut send, conn) = client_builder()
+            .handshake::<_, bytes::Bytes>(io)
+            .await
+            .expect("handshake");
+        tokio::spawn(conn);
+        let value = "v".repeat(64);
+        for indexed in [false, true] {
+            for _ in 0..2 {
+                let v = if indexed {
+                    http::HeaderValue::from_str(&value).expect("value")
+                } else {
+                    per_request(value.clone()).expect("value")
+                };
+                let name = if indexed { "x-indexed" } else { "traceparent" };
+                let req = http::Request::builder()
+                    .method(http::Method::CONNECT)
+                    .uri("10.0.0.3:80")
+                    .header(name, v)
+                    .body(())
+                    .expect("request");
+                send = send.ready().await.expect("ready");
+                let _ = send.send_request(req, false).expect("send");
+            }
+        }
+        let blocks = header_blocks(&mut wire, 4).await;
+        // Never indexed: the second request carries the whole value again (its Huffman code, 5
+        // bits per `v`, after the indexed method and authority)...
+        assert!(blocks[1].len() > 40, "{blocks:?}");
+        // ...where an indexed value is sent once and then named by its table index (the control
+        // shows the test can tell the two apart).
+        assert!(blocks[3].len() < 10, "{blocks:?}");
     }
 }

@@ -213,11 +213,15 @@ async fn connect_hbone(
     service_host: Option<&str>,
     early: Option<bytes::Bytes>,
 ) -> Result<PooledStream, OutboundError> {
+    let forwarded = hbone::per_request(hbone::forwarded(client, service_host))
+        .map_err(|e| OutboundError::Request(e.into()))?;
+    let traceparent =
+        hbone::per_request(hbone::traceparent()).map_err(|e| OutboundError::Request(e.into()))?;
     let req = http::Request::builder()
         .method(http::Method::CONNECT)
         .uri(hbone::format_authority(target))
-        .header("forwarded", hbone::forwarded(client, service_host))
-        .header("traceparent", hbone::traceparent())
+        .header("forwarded", forwarded)
+        .header("traceparent", traceparent)
         .body(())
         .map_err(OutboundError::Request)?;
     // The pool retries once on a fresh connection when the peer refused the stream unprocessed.
