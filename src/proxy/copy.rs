@@ -213,7 +213,8 @@ struct Down {
     pending: Option<Bytes>,
     /// Bytes written to the socket.
     total: u64,
-    /// The stream ended; the socket still needs its write side shut down.
+    /// The stream ended; the socket's write side is still to be ended (a `shutdown`, or the
+    /// close when the read side has ended too).
     eof: bool,
     /// Write side shut down, or left to the socket's close when the read side had ended too.
     done: bool,
@@ -362,8 +363,10 @@ impl H2Relay {
                 continue;
             }
             if self.down.eof {
-                // With the app's side already ended too, the relay is over and dropping the
-                // socket sends the FIN: no `shutdown` right before that `close`.
+                // With the app's side already ended too, the relay is over and the socket's
+                // close, when the relay's task drops it (after its access log line), sends the
+                // FIN: no `shutdown` right before that `close`. The read side is at EOF, so no
+                // unread data turns the close into a reset.
                 if !self.up.done {
                     ready!(Pin::new(&mut self.tcp).poll_shutdown(cx))?;
                 }

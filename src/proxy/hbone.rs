@@ -98,6 +98,26 @@ pub fn forwarded(client: SocketAddr, service_host: Option<&str>) -> String {
     }
 }
 
+/// The HBONE CONNECT request for `target` from the app's `client` address, with ztunnel's headers:
+/// `:authority` [`format_authority`], `forwarded` ([`forwarded`], with `service_host` when the
+/// connection was addressed to a service) and a fresh `traceparent` ([`traceparent`]). The two
+/// headers are sent as HPACK literals never indexed ([`per_request`]).
+///
+/// # Errors
+/// A header value the request cannot hold (none that these functions make).
+pub fn connect_request(
+    target: SocketAddr,
+    client: SocketAddr,
+    service_host: Option<&str>,
+) -> Result<http::Request<()>, http::Error> {
+    http::Request::builder()
+        .method(http::Method::CONNECT)
+        .uri(format_authority(target))
+        .header("forwarded", per_request(forwarded(client, service_host))?)
+        .header("traceparent", per_request(traceparent())?)
+        .body(())
+}
+
 /// `value` as a header value that HPACK sends as a literal never indexed (RFC 7541 §6.2.3), for
 /// values unique to one request (`forwarded` carries the client's port, `traceparent` random ids):
 /// indexing them would only fill both ends' dynamic tables with entries never used again, each
@@ -105,7 +125,7 @@ pub fn forwarded(client: SocketAddr, service_host: Option<&str>) -> String {
 ///
 /// # Errors
 /// A character a header value cannot hold (RFC 9110 §5.5).
-pub fn per_request(value: String) -> Result<http::HeaderValue, http::header::InvalidHeaderValue> {
+fn per_request(value: String) -> Result<http::HeaderValue, http::header::InvalidHeaderValue> {
     let mut v = http::HeaderValue::try_from(value)?;
     v.set_sensitive(true);
     Ok(v)
@@ -291,6 +311,21 @@ mod tests {
         blocks
     }
 
+    #[test]
+    fn connect_request_carries_ztunnels_headers_never_indexed() {
+        let target = "10.0.0.3:8080".parse().expect("addr");
+        let client = "10.0.0.2:4000".parse().expect("addr");
+        let req = connect_request(target, client, Some("svc.example")).expect("request");
+        assert_eq!(req.method(), http::Method::CONNECT);
+        assert_eq!(req.uri().to_string(), "10.0.0.3:8080");
+        let forwarded = &req.headers()["forwarded"];
+        assert_eq!(forwarded, "for=\"10.0.0.2:4000\";host=svc.example");
+        assert!(forwarded.is_sensitive());
+        let traceparent = &req.headers()["traceparent"];
+        assert_eq!(traceparent.len(), 55, "{traceparent:?}");
+        assert!(traceparent.is_sensitive());
+    }
+
     #[tokio::test]
     async fn per_request_values_are_never_indexed() {
         let (io, mut wire) = tokio::io::duplex(1 << 16);
@@ -319,11 +354,13 @@ mod tests {
             }
         }
         let blocks = header_blocks(&mut wire, 4).await;
-        // Never indexed: the second request carries the whole value again (its Huffman code, 5
-        // bits per `v`, after the indexed method and authority)...
+        // Never indexed: after the indexed method and authority (one byte each), the second
+        // request's field is again a literal never indexed with a new name (RFC 7541 §6.2.3:
+        // first byte 0001 0000), carrying the whole value (Huffman, 7 bits per `v`)...
+        assert_eq!(blocks[1][2], 0x10, "{blocks:?}");
         assert!(blocks[1].len() > 40, "{blocks:?}");
         // ...where an indexed value is sent once and then named by its table index (the control
-        // shows the test can tell the two apart).
+        // shows the test can tell the two apart; h2 indexes the method and authority too).
         assert!(blocks[3].len() < 10, "{blocks:?}");
     }
 }

@@ -213,17 +213,8 @@ async fn connect_hbone(
     service_host: Option<&str>,
     early: Option<bytes::Bytes>,
 ) -> Result<PooledStream, OutboundError> {
-    let forwarded = hbone::per_request(hbone::forwarded(client, service_host))
-        .map_err(|e| OutboundError::Request(e.into()))?;
-    let traceparent =
-        hbone::per_request(hbone::traceparent()).map_err(|e| OutboundError::Request(e.into()))?;
-    let req = http::Request::builder()
-        .method(http::Method::CONNECT)
-        .uri(hbone::format_authority(target))
-        .header("forwarded", forwarded)
-        .header("traceparent", traceparent)
-        .body(())
-        .map_err(OutboundError::Request)?;
+    let req =
+        hbone::connect_request(target, client, service_host).map_err(OutboundError::Request)?;
     // The pool retries once on a fresh connection when the peer refused the stream unprocessed.
     let stream = pod
         .pool

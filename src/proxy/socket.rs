@@ -51,8 +51,10 @@ pub enum SocketError {
 }
 
 fn io_err(op: impl Into<String>) -> impl FnOnce(io::Error) -> SocketError {
-    let op = op.into();
-    move |source| SocketError::Io { op, source }
+    move |source| SocketError::Io {
+        op: op.into(),
+        source,
+    }
 }
 
 /// IPv4 sockets the socket thread keeps ready per pod once the pod has connected somewhere.
@@ -260,7 +262,8 @@ impl PodSockets {
     }
 
     /// A TCP listener on exactly `addr` in the pod netns (e.g. `127.0.0.1:15053`), with
-    /// SO_REUSEADDR, the packet mark and, with port reuse, SO_REUSEPORT.
+    /// SO_REUSEADDR, the packet mark, TCP_NODELAY (passed on to accepted sockets) and, with port
+    /// reuse, SO_REUSEPORT.
     pub async fn listen_at(&self, addr: SocketAddr) -> Result<TcpListener, SocketError> {
         let sock = self.fresh_socket(Domain::for_address(addr), false).await?;
         sock.set_reuse_address(true)
@@ -278,7 +281,8 @@ impl PodSockets {
     }
 
     /// A listener on `[::]:port` (dual stack) or, when IPv6 is unavailable in the pod, `0.0.0.0:port`,
-    /// with SO_REUSEADDR, best-effort IP_TRANSPARENT and, with port reuse, SO_REUSEPORT.
+    /// with SO_REUSEADDR, TCP_NODELAY (passed on to accepted sockets), best-effort IP_TRANSPARENT
+    /// and, with port reuse, SO_REUSEPORT.
     pub async fn listen(&self, port: u16) -> Result<TcpListener, SocketError> {
         let (sock, addr) = match self.socket(Domain::IPV6).await {
             Ok(s) if s.set_only_v6(false).is_ok() => {

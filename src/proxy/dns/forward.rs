@@ -122,10 +122,8 @@ pub async fn tcp_connect(
     }
     for server in &upstreams.servers {
         match sockets.connect(*server, None, upstreams.timeout).await {
-            Ok(s) => {
-                let _ = s.set_nodelay(true);
-                return Ok(s);
-            }
+            // TCP_NODELAY is on already (every socket the pod's socket thread makes has it).
+            Ok(s) => return Ok(s),
             Err(SocketError::Stopped) => return Err(SocketError::Stopped.into()),
             Err(e) => tracing::debug!(%server, error = %e, "upstream DNS over TCP"),
         }
