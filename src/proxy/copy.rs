@@ -138,13 +138,33 @@ async fn tcp_to_tcp(
 /// nothing is there yet (a server-first protocol) or at EOF (a FIN stays readable: the relay
 /// finds it again).
 ///
+/// A read shorter than the buffer drained the socket: it then leaves no readiness behind (as
+/// tokio's `AsyncRead::poll_read` after a short read), so the relay's first read waits for epoll
+/// instead of trying a `recv` that would only say EAGAIN.
+///
 /// Errors: the socket's error (e.g. the app reset it). The kernel reports it once, so the caller
 /// must end the connection on it rather than leave it to the relay.
 pub fn early_data(tcp: &TcpStream) -> io::Result<Option<Bytes>> {
+    use std::io::Read;
     let mut buf = [0u8; SMALL_BUF];
-    match tcp.try_read(&mut buf) {
+    let mut short = 0;
+    let sock = socket2::SockRef::from(tcp);
+    // WouldBlock from the closure is what makes tokio clear the readiness; the bytes of that
+    // short read are kept in `short`.
+    let read = tcp.try_io(tokio::io::Interest::READABLE, || {
+        let n = (&*sock).read(&mut buf)?;
+        if n > 0 && n < SMALL_BUF {
+            short = n;
+            return Err(io::ErrorKind::WouldBlock.into());
+        }
+        Ok(n)
+    });
+    match read {
         Ok(0) => Ok(None),
         Ok(n) => Ok(Some(Bytes::copy_from_slice(&buf[..n]))),
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock && short > 0 => {
+            Ok(Some(Bytes::copy_from_slice(&buf[..short])))
+        }
         Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
         Err(e) => Err(e),
     }
@@ -839,6 +859,16 @@ mod tests {
             early_data(&proxy_side).expect("read").as_deref(),
             Some(&b"GET / HTTP/1.1\r\n\r\n"[..])
         );
+        // That short read drained the socket: no readiness is left for a read that would only
+        // say EAGAIN; the next bytes bring it back.
+        assert!(
+            futures::poll!(std::pin::pin!(proxy_side.readable())).is_pending(),
+            "readiness left after a short read"
+        );
+        app.write_all(b"more").await.expect("write");
+        proxy_side.readable().await.expect("readable again");
+        let mut more = [0u8; 8];
+        assert_eq!(proxy_side.try_read(&mut more).expect("read"), 4);
         app.shutdown().await.expect("fin");
         read_closed(&proxy_side).await;
         assert_eq!(
