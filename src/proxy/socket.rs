@@ -50,9 +50,11 @@ pub enum SocketError {
     },
 }
 
-fn io_err(op: impl Into<String>) -> impl FnOnce(io::Error) -> SocketError {
+/// Maps an `io::Error` to [`SocketError::Io`] naming `op`, which is only turned into a string on
+/// error (pass `format_args!` for an operation with an address).
+fn io_err(op: impl std::fmt::Display) -> impl FnOnce(io::Error) -> SocketError {
     move |source| SocketError::Io {
-        op: op.into(),
+        op: op.to_string(),
         source,
     }
 }
@@ -256,7 +258,7 @@ impl PodSockets {
         }
         self.reuse(&sock, addr)?;
         sock.bind(&SockAddr::from(addr))
-            .map_err(io_err(format!("bind udp {addr}")))?;
+            .map_err(io_err(format_args!("bind udp {addr}")))?;
         self.take_over(&sock, addr);
         UdpSocket::from_std(sock.into()).map_err(io_err("register udp socket"))
     }
@@ -273,9 +275,9 @@ impl PodSockets {
             sock.set_only_v6(true).map_err(io_err("set IPV6_V6ONLY"))?;
         }
         sock.bind(&SockAddr::from(addr))
-            .map_err(io_err(format!("bind {addr}")))?;
+            .map_err(io_err(format_args!("bind {addr}")))?;
         sock.listen(LISTEN_BACKLOG)
-            .map_err(io_err(format!("listen {addr}")))?;
+            .map_err(io_err(format_args!("listen {addr}")))?;
         self.take_over(&sock, addr);
         TcpListener::from_std(sock.into()).map_err(io_err("register listener"))
     }
@@ -298,9 +300,9 @@ impl PodSockets {
         self.reuse(&sock, addr)?;
         let _ = sock.set_ip_transparent_v4(true);
         sock.bind(&SockAddr::from(addr))
-            .map_err(io_err(format!("bind {addr}")))?;
+            .map_err(io_err(format_args!("bind {addr}")))?;
         sock.listen(LISTEN_BACKLOG)
-            .map_err(io_err(format!("listen {addr}")))?;
+            .map_err(io_err(format_args!("listen {addr}")))?;
         self.take_over(&sock, addr);
         TcpListener::from_std(sock.into()).map_err(io_err("register listener"))
     }
@@ -334,18 +336,12 @@ impl PodSockets {
             }
             let bind = SocketAddr::new(src, 0);
             sock.bind(&SockAddr::from(bind))
-                .map_err(|source| SocketError::Io {
-                    op: format!("bind {bind}"),
-                    source,
-                })?;
+                .map_err(io_err(format_args!("bind {bind}")))?;
         }
         let std_stream: std::net::TcpStream = sock.into();
         let tcp = TcpSocket::from_std_stream(std_stream);
         match tokio::time::timeout(timeout, tcp.connect(dst)).await {
-            Ok(r) => r.map_err(|source| SocketError::Io {
-                op: format!("connect {dst}"),
-                source,
-            }),
+            Ok(r) => r.map_err(io_err(format_args!("connect {dst}"))),
             Err(_) => Err(SocketError::Io {
                 op: format!("connect {dst}"),
                 source: io::Error::new(io::ErrorKind::TimedOut, "connect timed out"),
