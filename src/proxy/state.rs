@@ -16,6 +16,7 @@ use tokio::sync::watch;
 
 use super::config::{ConfigError, LocalConfig, LocalService, LocalWorkload};
 use super::identity::{DEFAULT_TRUST_DOMAIN, Identity};
+use super::metrics::labels::{ServiceValues, WorkloadValues};
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
@@ -88,6 +89,9 @@ pub struct Workload {
     /// The SPIFFE identity of the fields above, built once (see [`Workload::identity`]).
     #[serde(skip)]
     spiffe: Identity,
+    /// The metric label values of the fields above, built once (see [`Workload::label_values`]).
+    #[serde(skip)]
+    label_values: WorkloadValues,
 }
 
 /// A service with canonicalised VIPs.
@@ -118,6 +122,12 @@ pub struct Service {
     pub visibility: Visibility,
     /// Explicit endpoints keyed by workload uid.
     pub endpoints: BTreeMap<String, Endpoint>,
+    /// `namespace/hostname`, built once (see [`Service::key`]).
+    #[serde(skip)]
+    key: String,
+    /// The metric label values of the fields above, built once (see [`Service::label_values`]).
+    #[serde(skip)]
+    label_values: ServiceValues,
 }
 
 /// An immutable, indexed snapshot of workloads, services and policies.
@@ -156,6 +166,11 @@ impl Workload {
         self.spiffe.clone()
     }
 
+    /// The workload's metric label values: each connection's label set shares their strings.
+    pub fn label_values(&self) -> &WorkloadValues {
+        &self.label_values
+    }
+
     /// The workload of a pod known only from its handoff (Kubernetes mode without a workload
     /// source that lists it yet; ztnode's choice: ztunnel waits up to 5 s for the record): HBONE,
     /// the given trust domain (the node's `TRUST_DOMAIN`) and addresses.
@@ -190,6 +205,13 @@ impl Workload {
         );
         Workload {
             spiffe,
+            label_values: WorkloadValues::new(
+                &w.workload_name,
+                &w.canonical_name,
+                &w.canonical_revision,
+                &w.namespace,
+                &w.cluster_id,
+            ),
             uid: w.uid.clone(),
             name: w.name.clone(),
             namespace: w.namespace.clone(),
@@ -235,8 +257,8 @@ fn or_default(value: &str, default: &str) -> String {
 
 impl Service {
     /// The service key `namespace/hostname` (the key in workloads' `services` maps).
-    pub fn key(&self) -> String {
-        format!("{}/{}", self.namespace, self.hostname)
+    pub fn key(&self) -> &str {
+        &self.key
     }
 
     /// The `subjectAltNames` that parse as SPIFFE ids (others are skipped, as in ztunnel).
@@ -247,8 +269,15 @@ impl Service {
             .collect()
     }
 
+    /// The service's metric label values: each connection's label set shares their strings.
+    pub fn label_values(&self) -> &ServiceValues {
+        &self.label_values
+    }
+
     fn from_local(s: &LocalService) -> Service {
         Service {
+            key: format!("{}/{}", s.namespace, s.hostname),
+            label_values: ServiceValues::new(&s.hostname, &s.namespace, &s.name),
             name: s.name.clone(),
             namespace: s.namespace.clone(),
             hostname: s.hostname.clone(),
@@ -355,7 +384,7 @@ impl ProxyState {
         let mut key_owner: HashMap<String, usize> = HashMap::new();
         for (i, ls) in cfg.services.iter().enumerate() {
             let s = Arc::new(Service::from_local(ls));
-            let key = s.key();
+            let key = s.key().to_owned();
             if let Some(&j) = key_owner.get(&key) {
                 conflict(ConfigError::DuplicateService {
                     key: key.clone(),
@@ -472,7 +501,7 @@ impl ProxyState {
         let key = svc.key();
         self.workloads
             .iter()
-            .filter(|w| w.services.contains_key(&key) || svc.endpoints.contains_key(&w.uid))
+            .filter(|w| w.services.contains_key(key) || svc.endpoints.contains_key(&w.uid))
             .cloned()
             .collect()
     }

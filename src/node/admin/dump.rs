@@ -234,7 +234,7 @@ fn service<'a>(state: &ProxyState, s: &'a Service) -> DumpService<'a> {
         .endpoints(s)
         .iter()
         .filter_map(|w| {
-            w.services.get(&key).map(|ports| {
+            w.services.get(key).map(|ports| {
                 (
                     w.uid.clone(),
                     Endpoint {

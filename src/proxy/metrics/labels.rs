@@ -15,7 +15,7 @@
 //!   `mutual_tls` over HBONE, else `unknown`. Every value not known is `unknown`.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 
@@ -45,6 +45,61 @@ impl Value {
 impl EncodeLabelValue for Value {
     fn encode(&self, w: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
         w.write_str(self.get().unwrap_or("unknown"))
+    }
+}
+
+/// `request_protocol` of every connection, allocated once.
+static TCP: LazyLock<Value> = LazyLock::new(|| Value::new("tcp"));
+
+/// A workload's label values (`*_workload`, `*_canonical_service` and `*_app`,
+/// `*_canonical_revision` and `*_version`, `*_workload_namespace`, `*_cluster`), built once with
+/// its record ([`Workload::label_values`]): a connection's labels clone these (a reference count
+/// each) instead of copying the strings, and compare with them by pointer first when interned.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct WorkloadValues {
+    workload: Value,
+    canonical_service: Value,
+    canonical_revision: Value,
+    namespace: Value,
+    cluster: Value,
+}
+
+impl WorkloadValues {
+    /// The values of a workload's fields of these names (empty: `unknown`).
+    pub fn new(
+        workload_name: &str,
+        canonical_name: &str,
+        canonical_revision: &str,
+        namespace: &str,
+        cluster_id: &str,
+    ) -> WorkloadValues {
+        WorkloadValues {
+            workload: Value::new(workload_name),
+            canonical_service: Value::new(canonical_name),
+            canonical_revision: Value::new(canonical_revision),
+            namespace: Value::new(namespace),
+            cluster: Value::new(cluster_id),
+        }
+    }
+}
+
+/// A service's label values (`destination_service`, `destination_service_namespace`,
+/// `destination_service_name`), built once with its record ([`Service::label_values`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ServiceValues {
+    hostname: Value,
+    namespace: Value,
+    name: Value,
+}
+
+impl ServiceValues {
+    /// The values of a service's fields of these names (empty: `unknown`).
+    pub fn new(hostname: &str, namespace: &str, name: &str) -> ServiceValues {
+        ServiceValues {
+            hostname: Value::new(hostname),
+            namespace: Value::new(namespace),
+            name: Value::new(name),
+        }
     }
 }
 
@@ -158,7 +213,7 @@ impl TrafficLabels {
     pub fn new(reporter: Direction, mtls: bool) -> TrafficLabels {
         TrafficLabels {
             reporter,
-            request_protocol: Value::new("tcp"),
+            request_protocol: TCP.clone(),
             connection_security_policy: if mtls {
                 SecurityPolicy::MutualTls
             } else {
@@ -171,13 +226,14 @@ impl TrafficLabels {
     /// The source workload's fields (not its principal: see the module docs).
     pub fn with_source(mut self, w: Option<&Workload>) -> TrafficLabels {
         let Some(w) = w else { return self };
-        self.source_workload = Value::new(&w.workload_name);
-        self.source_canonical_service = Value::new(&w.canonical_name);
-        self.source_canonical_revision = Value::new(&w.canonical_revision);
-        self.source_workload_namespace = Value::new(&w.namespace);
-        self.source_app = Value::new(&w.canonical_name);
-        self.source_version = Value::new(&w.canonical_revision);
-        self.source_cluster = Value::new(&w.cluster_id);
+        let v = w.label_values();
+        self.source_workload = v.workload.clone();
+        self.source_canonical_service = v.canonical_service.clone();
+        self.source_canonical_revision = v.canonical_revision.clone();
+        self.source_workload_namespace = v.namespace.clone();
+        self.source_app = v.canonical_service.clone();
+        self.source_version = v.canonical_revision.clone();
+        self.source_cluster = v.cluster.clone();
         self
     }
 
@@ -196,22 +252,24 @@ impl TrafficLabels {
     ) -> TrafficLabels {
         self.destination_principal = Principal(w.map(Workload::identity).or(proven.cloned()));
         let Some(w) = w else { return self };
-        self.destination_workload = Value::new(&w.workload_name);
-        self.destination_canonical_service = Value::new(&w.canonical_name);
-        self.destination_canonical_revision = Value::new(&w.canonical_revision);
-        self.destination_workload_namespace = Value::new(&w.namespace);
-        self.destination_app = Value::new(&w.canonical_name);
-        self.destination_version = Value::new(&w.canonical_revision);
-        self.destination_cluster = Value::new(&w.cluster_id);
+        let v = w.label_values();
+        self.destination_workload = v.workload.clone();
+        self.destination_canonical_service = v.canonical_service.clone();
+        self.destination_canonical_revision = v.canonical_revision.clone();
+        self.destination_workload_namespace = v.namespace.clone();
+        self.destination_app = v.canonical_service.clone();
+        self.destination_version = v.canonical_revision.clone();
+        self.destination_cluster = v.cluster.clone();
         self
     }
 
     /// The destination service's hostname, namespace and name.
     pub fn with_destination_service(mut self, s: Option<&Service>) -> TrafficLabels {
         let Some(s) = s else { return self };
-        self.destination_service = Value::new(&s.hostname);
-        self.destination_service_namespace = Value::new(&s.namespace);
-        self.destination_service_name = Value::new(&s.name);
+        let v = s.label_values();
+        self.destination_service = v.hostname.clone();
+        self.destination_service_namespace = v.namespace.clone();
+        self.destination_service_name = v.name.clone();
         self
     }
 }
@@ -226,7 +284,7 @@ pub fn inbound_service(
 ) -> Option<Arc<Service>> {
     let port = target.port();
     state.services_of(dest).into_iter().find(|svc| {
-        let own = dest.services.get(&svc.key());
+        let own = dest.services.get(svc.key());
         let explicit = svc.endpoints.get(&dest.uid).map(|e| &e.port);
         own.is_some_and(|m| m.values().any(|p| *p == port))
             || explicit.is_some_and(|m| m.values().any(|p| *p == port))
@@ -384,6 +442,38 @@ services:
              destination_cluster=\"unknown\",request_protocol=\"tcp\",response_flags=\"-\",\
              connection_security_policy=\"mutual_tls\"} 1"
         );
+    }
+
+    #[test]
+    fn labels_share_the_strings_built_with_the_records() {
+        let st = state();
+        let client = st
+            .workload_by_ip("10.0.0.2".parse().expect("ip"))
+            .expect("client");
+        let server = st
+            .workload_by_ip("10.0.0.3".parse().expect("ip"))
+            .expect("server");
+        let peer = addr("10.0.0.2:40000");
+        let (a, _) = inbound(&st, &server, peer, None, addr("10.0.0.3:8080"));
+        let (b, _) = inbound(&st, &server, peer, None, addr("10.0.0.3:8080"));
+        let same = |x: &Value, y: &Value| match (&x.0, &y.0) {
+            (Some(x), Some(y)) => Arc::ptr_eq(x, y),
+            _ => false,
+        };
+        assert!(same(&a.source_workload, &b.source_workload));
+        assert!(same(&a.source_workload, &client.label_values().workload));
+        assert!(same(&a.source_app, &a.source_canonical_service));
+        assert!(same(
+            &a.destination_canonical_revision,
+            &server.label_values().canonical_revision
+        ));
+        assert!(same(
+            &a.destination_service_name,
+            &b.destination_service_name
+        ));
+        assert!(same(&a.request_protocol, &b.request_protocol));
+        // a workload without a cluster id has no value to share: `unknown`
+        assert_eq!(a.destination_cluster, Value::default());
     }
 
     #[test]
