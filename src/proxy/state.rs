@@ -32,7 +32,8 @@ pub use watch_file::{load_config_file, watch_config_file};
 /// Service account used when a workload names none (as ztunnel's XDS conversion does).
 pub const DEFAULT_SERVICE_ACCOUNT: &str = "default";
 
-/// A workload (pod) with defaults applied and IPs canonicalised.
+/// A workload (pod) with defaults applied and IPs canonicalised. Built once per snapshot and
+/// never changed after: its identity and metric label values are derived at construction.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Workload {
@@ -94,7 +95,8 @@ pub struct Workload {
     label_values: WorkloadValues,
 }
 
-/// A service with canonicalised VIPs.
+/// A service with canonicalised VIPs. Built once per snapshot and never changed after: its key and
+/// metric label values are derived at construction.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Service {

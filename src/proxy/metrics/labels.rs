@@ -55,7 +55,7 @@ static TCP: LazyLock<Value> = LazyLock::new(|| Value::new("tcp"));
 /// `*_canonical_revision` and `*_version`, `*_workload_namespace`, `*_cluster`), built once with
 /// its record ([`Workload::label_values`]): a connection's labels clone these (a reference count
 /// each) instead of copying the strings, and compare with them by pointer first when interned.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct WorkloadValues {
     workload: Value,
     canonical_service: Value,
@@ -81,11 +81,26 @@ impl WorkloadValues {
             cluster: Value::new(cluster_id),
         }
     }
+
+    /// The values of one side's labels in [`TrafficLabels`]' order: workload, canonical service,
+    /// canonical revision, namespace, app (= canonical service), version (= canonical revision),
+    /// cluster.
+    fn fields(&self) -> [Value; 7] {
+        [
+            self.workload.clone(),
+            self.canonical_service.clone(),
+            self.canonical_revision.clone(),
+            self.namespace.clone(),
+            self.canonical_service.clone(),
+            self.canonical_revision.clone(),
+            self.cluster.clone(),
+        ]
+    }
 }
 
 /// A service's label values (`destination_service`, `destination_service_namespace`,
 /// `destination_service_name`), built once with its record ([`Service::label_values`]).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServiceValues {
     hostname: Value,
     namespace: Value,
@@ -226,14 +241,15 @@ impl TrafficLabels {
     /// The source workload's fields (not its principal: see the module docs).
     pub fn with_source(mut self, w: Option<&Workload>) -> TrafficLabels {
         let Some(w) = w else { return self };
-        let v = w.label_values();
-        self.source_workload = v.workload.clone();
-        self.source_canonical_service = v.canonical_service.clone();
-        self.source_canonical_revision = v.canonical_revision.clone();
-        self.source_workload_namespace = v.namespace.clone();
-        self.source_app = v.canonical_service.clone();
-        self.source_version = v.canonical_revision.clone();
-        self.source_cluster = v.cluster.clone();
+        [
+            self.source_workload,
+            self.source_canonical_service,
+            self.source_canonical_revision,
+            self.source_workload_namespace,
+            self.source_app,
+            self.source_version,
+            self.source_cluster,
+        ] = w.label_values().fields();
         self
     }
 
@@ -252,14 +268,15 @@ impl TrafficLabels {
     ) -> TrafficLabels {
         self.destination_principal = Principal(w.map(Workload::identity).or(proven.cloned()));
         let Some(w) = w else { return self };
-        let v = w.label_values();
-        self.destination_workload = v.workload.clone();
-        self.destination_canonical_service = v.canonical_service.clone();
-        self.destination_canonical_revision = v.canonical_revision.clone();
-        self.destination_workload_namespace = v.namespace.clone();
-        self.destination_app = v.canonical_service.clone();
-        self.destination_version = v.canonical_revision.clone();
-        self.destination_cluster = v.cluster.clone();
+        [
+            self.destination_workload,
+            self.destination_canonical_service,
+            self.destination_canonical_revision,
+            self.destination_workload_namespace,
+            self.destination_app,
+            self.destination_version,
+            self.destination_cluster,
+        ] = w.label_values().fields();
         self
     }
 
@@ -474,6 +491,35 @@ services:
         assert!(same(&a.request_protocol, &b.request_protocol));
         // a workload without a cluster id has no value to share: `unknown`
         assert_eq!(a.destination_cluster, Value::default());
+        // outbound: the client's values and the dialled service's own
+        let svc = st
+            .service_by_vip("10.96.0.1".parse().expect("vip"))
+            .expect("svc");
+        let route = Route {
+            target: addr("10.0.0.3:8080"),
+            hbone: None,
+        };
+        let (o, _) = outbound(
+            &st,
+            &client,
+            &client.identity(),
+            addr("10.96.0.1:80"),
+            &route,
+        );
+        assert!(same(&o.source_cluster, &client.label_values().cluster));
+        assert!(same(
+            &o.source_version,
+            &client.label_values().canonical_revision
+        ));
+        assert!(same(&o.destination_service, &svc.label_values().hostname));
+        assert!(same(
+            &o.destination_service_namespace,
+            &svc.label_values().namespace
+        ));
+        assert!(same(
+            &o.destination_workload_namespace,
+            &server.label_values().namespace
+        ));
     }
 
     #[test]
