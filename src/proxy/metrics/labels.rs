@@ -402,6 +402,12 @@ services:
         s.parse().expect("addr")
     }
 
+    /// The workload the state has at `ip`.
+    fn workload(st: &ProxyState, ip: &str) -> Arc<Workload> {
+        st.workload_by_ip(ip.parse().expect("ip"))
+            .expect("workload")
+    }
+
     fn text(l: &TrafficLabels) -> String {
         use prometheus_client::metrics::counter::Counter;
         use prometheus_client::metrics::family::Family;
@@ -420,12 +426,8 @@ services:
     #[test]
     fn outbound_through_a_vip_names_both_workloads_the_service_and_mtls() {
         let st = state();
-        let client = st
-            .workload_by_ip("10.0.0.2".parse().expect("ip"))
-            .expect("client");
-        let server = st
-            .workload_by_ip("10.0.0.3".parse().expect("ip"))
-            .expect("server");
+        let client = workload(&st, "10.0.0.2");
+        let server = workload(&st, "10.0.0.3");
         let route = Route {
             target: addr("10.0.0.3:8080"),
             hbone: Some(Hbone {
@@ -464,12 +466,8 @@ services:
     #[test]
     fn labels_share_the_strings_built_with_the_records() {
         let st = state();
-        let client = st
-            .workload_by_ip("10.0.0.2".parse().expect("ip"))
-            .expect("client");
-        let server = st
-            .workload_by_ip("10.0.0.3".parse().expect("ip"))
-            .expect("server");
+        let client = workload(&st, "10.0.0.2");
+        let server = workload(&st, "10.0.0.3");
         let peer = addr("10.0.0.2:40000");
         let (a, _) = inbound(&st, &server, peer, None, addr("10.0.0.3:8080"));
         let (b, _) = inbound(&st, &server, peer, None, addr("10.0.0.3:8080"));
@@ -525,9 +523,7 @@ services:
     #[test]
     fn plain_tcp_to_an_unknown_address_has_no_principals_and_unknown_security() {
         let st = state();
-        let client = st
-            .workload_by_ip("10.0.0.2".parse().expect("ip"))
-            .expect("client");
+        let client = workload(&st, "10.0.0.2");
         let route = Route {
             target: addr("192.0.2.1:443"),
             hbone: None,
@@ -546,9 +542,7 @@ services:
     #[test]
     fn a_local_pod_without_a_record_is_named_by_the_identity_it_must_prove() {
         let st = state();
-        let client = st
-            .workload_by_ip("10.0.0.2".parse().expect("ip"))
-            .expect("client");
+        let client = workload(&st, "10.0.0.2");
         let carol = Identity::new("cluster.local", "x", "carol");
         let route = Route {
             target: addr("10.0.0.9:80"),
@@ -567,9 +561,7 @@ services:
     #[test]
     fn inbound_takes_the_service_from_the_target_port_and_the_principal_from_the_peer() {
         let st = state();
-        let server = st
-            .workload_by_ip("10.0.0.3".parse().expect("ip"))
-            .expect("server");
+        let server = workload(&st, "10.0.0.3");
         let alice = Identity::new("cluster.local", "default", "alice");
         let peer = addr("10.0.0.2:40000");
         let (l, src) = inbound(&st, &server, peer, Some(&alice), addr("10.0.0.3:8080"));
@@ -597,9 +589,7 @@ services:
     #[test]
     fn a_source_unknown_to_the_state_is_unknown_but_keeps_its_proven_principal() {
         let st = state();
-        let server = st
-            .workload_by_ip("10.0.0.3".parse().expect("ip"))
-            .expect("server");
+        let server = workload(&st, "10.0.0.3");
         let mallory = Identity::new("cluster.local", "evil", "mallory");
         let (l, src) = inbound(
             &st,
