@@ -150,12 +150,13 @@ pub fn early_data(tcp: &TcpStream) -> io::Result<Option<Bytes>> {
 
 thread_local! {
     /// [`early_data`]'s read buffer, one per thread: zeroed once, where a buffer on the stack
-    /// would have 16 KiB zeroed for every outbound connection.
+    /// would have 16 KiB zeroed for every connection that reads early data.
     static EARLY_BUF: std::cell::RefCell<Box<[u8]>> =
         std::cell::RefCell::new(vec![0; SMALL_BUF].into_boxed_slice());
 }
 
-/// [`early_data`] reading through `buf` (any length; the bytes are copied out).
+/// [`early_data`] reading through `buf` (non-empty: an empty one reads nothing). The bytes read
+/// are copied out, so `buf` is free again on return.
 fn early_data_into(tcp: &TcpStream, buf: &mut [u8]) -> io::Result<Option<Bytes>> {
     use std::io::Read;
     let mut short = 0;
@@ -902,12 +903,27 @@ mod tests {
         first_app.write_all(&[b'a'; 3000]).await.expect("write");
         first.readable().await.expect("readable");
         let first_data = early_data(&first).expect("read").expect("bytes");
+        assert_eq!(first_data.len(), 3000, "one short read takes all of it");
         assert!(first_data.iter().all(|&b| b == b'a'));
         let (mut second_app, second) = tcp_pair().await;
         second_app.write_all(b"bb").await.expect("write");
         second.readable().await.expect("readable");
         assert_eq!(
             early_data(&second).expect("read").as_deref(),
+            Some(&b"bb"[..])
+        );
+    }
+
+    #[tokio::test]
+    async fn early_data_takes_only_the_bytes_read_from_a_used_buffer() {
+        let (mut app, proxy_side) = tcp_pair().await;
+        app.write_all(b"bb").await.expect("write");
+        proxy_side.readable().await.expect("readable");
+        let mut used = vec![0xff; SMALL_BUF];
+        assert_eq!(
+            early_data_into(&proxy_side, &mut used)
+                .expect("read")
+                .as_deref(),
             Some(&b"bb"[..])
         );
     }
