@@ -76,7 +76,59 @@ pub fn parse_authority(authority: &str) -> Result<SocketAddr, AuthorityError> {
 
 /// Formats a target as an HBONE `:authority` (`ip:port`, `[v6]:port`).
 pub fn format_authority(addr: SocketAddr) -> String {
-    addr.to_string()
+    let mut out = String::with_capacity(MAX_V4_SOCKET_ADDR_LEN);
+    push_socket_addr(&mut out, addr);
+    out
+}
+
+/// Length of the longest IPv4 `ip:port` text (`255.255.255.255:65535`).
+const MAX_V4_SOCKET_ADDR_LEN: usize = 21;
+
+/// Appends `addr` as `SocketAddr`'s `Display` writes it (`ip:port`, `[v6]:port`). IPv4, the
+/// common case, is written digit by digit: `Display` goes through `fmt::write` once per octet,
+/// and every CONNECT formats two addresses.
+fn push_socket_addr(out: &mut String, addr: SocketAddr) {
+    match addr {
+        SocketAddr::V4(v4) => {
+            for (i, octet) in v4.ip().octets().into_iter().enumerate() {
+                if i > 0 {
+                    out.push('.');
+                }
+                push_decimal(out, u32::from(octet));
+            }
+            out.push(':');
+            push_decimal(out, u32::from(v4.port()));
+        }
+        SocketAddr::V6(v6) => {
+            use std::fmt::Write;
+            // Writing to a String cannot fail.
+            let _ = write!(out, "{v6}");
+        }
+    }
+}
+
+/// Appends `n` in decimal, without leading zeros.
+fn push_decimal(out: &mut String, mut n: u32) {
+    let mut digits = [0u8; 10];
+    let mut start = digits.len();
+    for slot in digits.iter_mut().rev() {
+        *slot = b'0' + (n % 10) as u8;
+        start -= 1;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    out.extend(digits[start..].iter().map(|&d| char::from(d)));
+}
+
+/// Appends the low `digits` hex digits of `v`, lowercase, zero-padded.
+fn push_hex(out: &mut String, v: u128, digits: u32) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    for i in (0..digits).rev() {
+        let nibble = (v >> (4 * i)) & 0xf;
+        out.push(char::from(HEX[nibble as usize]));
+    }
 }
 
 /// `forwarded` header value for a client address: `for="<ip:port>"` (RFC 7239 quoting, as
@@ -88,14 +140,28 @@ pub fn forwarded(client: SocketAddr, service_host: Option<&str>) -> String {
         h.bytes()
             .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
     };
+    let mut out = String::with_capacity(MAX_V4_SOCKET_ADDR_LEN + 8);
+    out.push_str("for=\"");
+    push_socket_addr(&mut out, client);
+    out.push('"');
     match service_host {
-        Some(host) if !host.is_empty() && is_token(host) => format!("for=\"{client}\";host={host}"),
-        Some(host) if !host.is_empty() && !host.bytes().any(|b| b.is_ascii_control()) => {
-            let quoted = host.replace('\\', "\\\\").replace('"', "\\\"");
-            format!("for=\"{client}\";host=\"{quoted}\"")
+        Some(host) if !host.is_empty() && is_token(host) => {
+            out.push_str(";host=");
+            out.push_str(host);
         }
-        _ => format!("for=\"{client}\""),
+        Some(host) if !host.is_empty() && !host.bytes().any(|b| b.is_ascii_control()) => {
+            out.push_str(";host=\"");
+            for c in host.chars() {
+                if c == '\\' || c == '"' {
+                    out.push('\\');
+                }
+                out.push(c);
+            }
+            out.push('"');
+        }
+        _ => {}
     }
+    out
 }
 
 /// The HBONE CONNECT request for `target` from the app's `client` address, with ztunnel's headers:
@@ -135,9 +201,13 @@ fn per_request(value: String) -> Result<http::HeaderValue, http::header::Invalid
 /// non-zero (W3C Trace Context §3.2). The ids only need to be unique, not secret: they come from a
 /// per-thread non-cryptographic generator (no syscall per connection).
 pub fn traceparent() -> String {
-    let trace_id = fastrand::u128(1..);
-    let parent_id = fastrand::u64(1..);
-    format!("00-{trace_id:032x}-{parent_id:016x}-00")
+    let mut out = String::with_capacity(55);
+    out.push_str("00-");
+    push_hex(&mut out, fastrand::u128(1..), 32);
+    out.push('-');
+    push_hex(&mut out, u128::from(fastrand::u64(1..)), 16);
+    out.push_str("-00");
+    out
 }
 
 /// The client-side HTTP/2 settings of HBONE.
@@ -239,6 +309,35 @@ mod tests {
             parse_authority(""),
             Err(AuthorityError::MissingPort(_))
         ));
+    }
+
+    #[test]
+    fn addresses_and_numbers_are_written_as_std_writes_them() {
+        for addr in [
+            "0.0.0.0:0",
+            "10.0.0.2:8080",
+            "255.255.255.255:65535",
+            "1.20.100.9:10",
+            "[fd00::2]:80",
+            "[::ffff:10.0.0.1]:15008",
+        ] {
+            let addr: SocketAddr = addr.parse().expect("addr");
+            assert_eq!(format_authority(addr), addr.to_string());
+            assert_eq!(forwarded(addr, None), format!("for=\"{addr}\""));
+        }
+        for n in [0, 7, 10, 99, 100, 65535, 4_294_967_295] {
+            let mut out = String::new();
+            push_decimal(&mut out, n);
+            assert_eq!(out, n.to_string());
+        }
+        for v in [0u128, 1, 0xab, u128::MAX, 0x0123_4567_89ab_cdef] {
+            let mut out = String::new();
+            push_hex(&mut out, v, 32);
+            assert_eq!(out, format!("{v:032x}"));
+            let mut low = String::new();
+            push_hex(&mut low, v, 16);
+            assert_eq!(low, format!("{:016x}", v as u64));
+        }
     }
 
     #[test]
