@@ -31,7 +31,6 @@
 
 mod connector;
 
-use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -268,7 +267,7 @@ type Slot = Arc<AsyncMutex<Vec<Conn>>>;
 pub struct Pool<C = PodConnector> {
     connector: C,
     config: PoolConfig,
-    slots: std::sync::Mutex<HashMap<PoolKey, Slot>>,
+    slots: std::sync::Mutex<foldhash::HashMap<PoolKey, Slot>>,
     next_id: AtomicU64,
     draining: AtomicBool,
 }
@@ -445,7 +444,10 @@ impl<C: Connector> Pool<C> {
         }
         let slot = {
             let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
-            slots.entry(key.clone()).or_default().clone()
+            match slots.get(key) {
+                Some(slot) => slot.clone(),
+                None => slots.entry(key.clone()).or_default().clone(),
+            }
         };
         let mut conns = slot.lock().await;
         if let Some(avoid) = avoid {

@@ -309,7 +309,9 @@ impl PodSockets {
 
     /// Connects to `dst` from the pod. With `src` set (and different from `dst`'s IP) the socket binds
     /// that address with IP_TRANSPARENT + IP_FREEBIND, so the peer sees it as the source (ztunnel's
-    /// `freebind_connect`). The connect is bounded by `timeout`.
+    /// `freebind_connect`). The connect is bounded by `timeout`. Errors: the socket could not be
+    /// made or bound, the peer refused or was unreachable (the socket's error), or `timeout`
+    /// passed (`TimedOut`).
     pub async fn connect(
         &self,
         dst: SocketAddr,
@@ -594,6 +596,51 @@ mod tests {
         assert!(client.nodelay().expect("TCP_NODELAY"));
         let (_accepted, peer) = listener.accept().await.expect("accept");
         assert_eq!(canonical(peer).ip(), IpAddr::V4(Ipv4Addr::LOCALHOST));
+    }
+
+    /// The three outcomes of a connect: refused at once (the socket's error, not a hang), still in
+    /// SYN-SENT (the peer's accept queue is full, so the kernel drops the SYN) until `timeout`, and
+    /// established only after the wait, by the retransmitted SYN once the queue has room.
+    #[tokio::test]
+    async fn connect_reports_refusal_timeout_and_a_late_handshake() {
+        let ns = Netns::current().expect("own netns");
+        let socks = PodSockets::new(&ns, PacketMark::DEFAULT).expect("socket thread");
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let closed_addr = closed.local_addr().expect("addr");
+        drop(closed);
+        let short = std::time::Duration::from_millis(200);
+        match socks.connect(closed_addr, None, short).await {
+            Err(SocketError::Io { source, .. }) => {
+                assert_eq!(source.kind(), io::ErrorKind::ConnectionRefused)
+            }
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+
+        // backlog 0: one connection fits the accept queue, the next SYN is dropped
+        let full = Socket::new(Domain::IPV4, Type::STREAM, None).expect("socket");
+        full.bind(&SockAddr::from(SocketAddr::from(([127, 0, 0, 1], 0))))
+            .expect("bind");
+        full.listen(0).expect("listen");
+        let full_addr = full.local_addr().expect("addr").as_socket().expect("inet");
+        let _queued = socks.connect(full_addr, None, short).await.expect("first");
+        match socks.connect(full_addr, None, short).await {
+            Err(SocketError::Io { source, .. }) => {
+                assert_eq!(source.kind(), io::ErrorKind::TimedOut)
+            }
+            other => panic!("expected a timeout, got {other:?}"),
+        }
+        let late = tokio::spawn({
+            let socks = socks.clone();
+            async move {
+                socks
+                    .connect(full_addr, None, std::time::Duration::from_secs(5))
+                    .await
+            }
+        });
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        let (_first, _) = full.accept().expect("accept the queued one");
+        let stream = late.await.expect("join").expect("late handshake");
+        assert_eq!(stream.peer_addr().expect("peer"), full_addr);
     }
 
     #[tokio::test]
