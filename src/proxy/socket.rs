@@ -605,9 +605,15 @@ mod tests {
     async fn connect_reports_refusal_timeout_and_a_late_handshake() {
         let ns = Netns::current().expect("own netns");
         let socks = PodSockets::new(&ns, PacketMark::DEFAULT).expect("socket thread");
-        let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-        let closed_addr = closed.local_addr().expect("addr");
-        drop(closed);
+        let loopback = SockAddr::from(SocketAddr::from(([127, 0, 0, 1], 0)));
+        // bound, never listening: its port answers a SYN with a RST and no other test can take it
+        let closed = Socket::new(Domain::IPV4, Type::STREAM, None).expect("socket");
+        closed.bind(&loopback).expect("bind");
+        let closed_addr = closed
+            .local_addr()
+            .expect("addr")
+            .as_socket()
+            .expect("inet");
         let short = std::time::Duration::from_millis(200);
         match socks.connect(closed_addr, None, short).await {
             Err(SocketError::Io { source, .. }) => {
@@ -616,19 +622,23 @@ mod tests {
             other => panic!("expected a refusal, got {other:?}"),
         }
 
-        // backlog 0: one connection fits the accept queue, the next SYN is dropped
+        // backlog 1: the accept queue holds two connections, the next SYN is dropped
         let full = Socket::new(Domain::IPV4, Type::STREAM, None).expect("socket");
-        full.bind(&SockAddr::from(SocketAddr::from(([127, 0, 0, 1], 0))))
-            .expect("bind");
-        full.listen(0).expect("listen");
+        full.bind(&loopback).expect("bind");
+        full.listen(1).expect("listen");
+        full.set_nonblocking(true).expect("nonblocking");
         let full_addr = full.local_addr().expect("addr").as_socket().expect("inet");
-        let _queued = socks.connect(full_addr, None, short).await.expect("first");
+        let _queued = [
+            socks.connect(full_addr, None, short).await.expect("first"),
+            socks.connect(full_addr, None, short).await.expect("second"),
+        ];
         match socks.connect(full_addr, None, short).await {
             Err(SocketError::Io { source, .. }) => {
                 assert_eq!(source.kind(), io::ErrorKind::TimedOut)
             }
             other => panic!("expected a timeout, got {other:?}"),
         }
+        let started = std::time::Instant::now();
         let late = tokio::spawn({
             let socks = socks.clone();
             async move {
@@ -638,9 +648,12 @@ mod tests {
             }
         });
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-        let (_first, _) = full.accept().expect("accept the queued one");
+        assert!(!late.is_finished(), "the SYN waits for room in the queue");
+        let (_first, _) = full.accept().expect("accept a queued one");
         let stream = late.await.expect("join").expect("late handshake");
         assert_eq!(stream.peer_addr().expect("peer"), full_addr);
+        // the first SYN was dropped: only its retransmission (about 1 s later) got through
+        assert!(started.elapsed() >= std::time::Duration::from_millis(500));
     }
 
     #[tokio::test]
