@@ -113,6 +113,13 @@ async fn read_chunk<R: ReadReady>(
 /// Copies `reader` into `writer` until EOF, then half-closes `writer`; buffers only while data
 /// flows. Every byte written is added to `total` as it goes, so it holds the count also when an
 /// error ends the copy.
+///
+/// After a bulk read (at least [`SMALL_BUF`], the size below which [`ReadSize`] falls back) the
+/// copy yields once it has written it: with one IO event per driver turn
+/// ([`crate::runtime::MAX_IO_EVENTS_PER_TICK`]) the other worker only joins when a turn leaves two
+/// tasks runnable, and plain relays, unlike HBONE's tasks, wake no other task. The yield makes
+/// such a turn, so bulk passthrough keeps both workers busy; smaller reads (requests, responses)
+/// never yield.
 async fn tcp_to_tcp(
     mut reader: OwnedReadHalf,
     mut writer: OwnedWriteHalf,
@@ -120,6 +127,7 @@ async fn tcp_to_tcp(
 ) -> io::Result<()> {
     let mut size = ReadSize::new();
     while let Some(buf) = read_chunk(&mut reader, &mut size).await? {
+        let bulk = buf.len() >= SMALL_BUF;
         let mut rest = &buf[..];
         while !rest.is_empty() {
             let n = writer.write(rest).await?;
@@ -128,6 +136,9 @@ async fn tcp_to_tcp(
             }
             total.fetch_add(n as u64, Ordering::Relaxed);
             rest = &rest[n..];
+        }
+        if bulk {
+            tokio::task::yield_now().await;
         }
     }
     writer.shutdown().await
@@ -798,6 +809,65 @@ mod tests {
 
     /// The remote of a plain relay reads part of an upload, then closes with a reset (SO_LINGER
     /// 0): the relay ends with the error and what it moved both ways.
+    /// A plain relay carrying bulk data (a writer thread far ahead, a reader thread keeping up)
+    /// on a one-thread runtime: another task gets the thread back after every bulk chunk, never
+    /// more than one chunk ([`LARGE_BUF`] at most) later.
+    #[test]
+    fn a_plain_relay_yields_after_each_bulk_chunk() {
+        use std::io::{Read, Write};
+        const TOTAL: usize = 64 << 20;
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async {
+            let (src_app, proxy_in) = tcp_pair().await;
+            let (proxy_out, dst_app) = tcp_pair().await;
+            let mut src = src_app.into_std().expect("std");
+            let mut dst = dst_app.into_std().expect("std");
+            src.set_nonblocking(false).expect("blocking");
+            dst.set_nonblocking(false).expect("blocking");
+            // nothing comes back: the other direction ends at once
+            dst.shutdown(std::net::Shutdown::Write).expect("shutdown");
+            let writer = std::thread::spawn(move || {
+                let chunk = vec![7u8; 1 << 20];
+                for _ in 0..TOTAL / chunk.len() {
+                    src.write_all(&chunk).expect("write");
+                }
+                src.shutdown(std::net::Shutdown::Write).expect("shutdown");
+                src
+            });
+            let reader = std::thread::spawn(move || {
+                let mut buf = vec![0u8; 1 << 20];
+                let mut got = 0;
+                loop {
+                    match dst.read(&mut buf).expect("read") {
+                        0 => return got,
+                        n => got += n,
+                    }
+                }
+            });
+            let counts = Arc::new(LiveCounts::default());
+            let shared = counts.clone();
+            let relay =
+                tokio::spawn(async move { relay_tcp_counted(proxy_in, proxy_out, &shared).await });
+            let (mut last, mut widest) = (0, 0);
+            while !relay.is_finished() {
+                tokio::task::yield_now().await;
+                let now = counts.get().sent;
+                widest = widest.max(now - last);
+                last = now;
+            }
+            relay.await.expect("task").expect("relay");
+            let _src = writer.join().expect("writer");
+            assert_eq!(reader.join().expect("reader"), TOTAL);
+            assert!(
+                widest <= LARGE_BUF as u64,
+                "{widest} bytes relayed between two turns of another task"
+            );
+        });
+    }
+
     #[tokio::test]
     async fn a_plain_relay_reset_mid_transfer_keeps_the_bytes_moved() {
         const TAKEN: usize = 256 * 1024;

@@ -14,6 +14,7 @@
 //! - `request_protocol` is `tcp`, `response_flags` `-` or the failure, `connection_security_policy`
 //!   `mutual_tls` over HBONE, else `unknown`. Every value not known is `unknown`.
 
+use std::hash::BuildHasher as _;
 use std::net::SocketAddr;
 use std::sync::{Arc, LazyLock};
 
@@ -28,17 +29,45 @@ use std::fmt::Write as _;
 
 /// A label value: `unknown` when absent or empty (ztunnel's `DefaultedUnknown`).
 #[derive(Clone, Debug, Default, Hash, PartialEq, Eq)]
-pub struct Value(Option<Arc<str>>);
+pub struct Value(Option<Arc<Text>>);
 
 impl Value {
     /// `s`, or absent when empty.
     pub fn new(s: &str) -> Value {
-        Value((!s.is_empty()).then(|| Arc::from(s)))
+        Value((!s.is_empty()).then(|| {
+            Arc::new(Text {
+                hash: foldhash::fast::FixedState::default().hash_one(s),
+                text: Box::from(s),
+            })
+        }))
     }
 
     /// The value, `None` when unknown.
     pub fn get(&self) -> Option<&str> {
-        self.0.as_deref()
+        self.0.as_deref().map(|t| &*t.text)
+    }
+}
+
+/// A label value's text and its hash, computed once with the text (a fixed-seed foldhash, so
+/// equal texts hash alike): interning a label set ([`crate::proxy::metrics::Metrics::intern`])
+/// then hashes a word per value instead of each string's bytes.
+#[derive(Debug)]
+pub struct Text {
+    hash: u64,
+    text: Box<str>,
+}
+
+impl PartialEq for Text {
+    fn eq(&self, other: &Text) -> bool {
+        self.hash == other.hash && self.text == other.text
+    }
+}
+
+impl Eq for Text {}
+
+impl std::hash::Hash for Text {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        state.write_u64(self.hash);
     }
 }
 
@@ -518,6 +547,33 @@ services:
             &o.destination_workload_namespace,
             &server.label_values().namespace
         ));
+    }
+
+    #[test]
+    fn values_built_apart_are_equal_and_hash_alike_by_their_text() {
+        use std::hash::BuildHasher;
+        let h = foldhash::quality::RandomState::default();
+        let (a, b, c) = (
+            Value::new("reviews"),
+            Value::new("reviews"),
+            Value::new("ratings"),
+        );
+        assert_eq!(a, b);
+        assert_eq!(h.hash_one(&a), h.hash_one(&b));
+        assert_ne!(a, c);
+        assert_ne!(h.hash_one(&a), h.hash_one(&c));
+        assert_eq!(a.get(), Some("reviews"));
+        assert_eq!(Value::new(""), Value::default());
+        assert_eq!(Value::default().get(), None);
+        // label sets of equal values built apart are one key
+        let mut x = TrafficLabels::new(Direction::Inbound, true);
+        let mut y = x.clone();
+        x.source_workload = a;
+        y.source_workload = b;
+        assert_eq!(x, y);
+        assert_eq!(h.hash_one(&x), h.hash_one(&y));
+        y.source_workload = c;
+        assert_ne!(x, y);
     }
 
     #[test]
