@@ -103,7 +103,7 @@ sleep 1
 dump 2 # running
 
 python3 - "$work/cg.out.1" "$work/cg.out.2" "$bin" layout/symbol-order.txt <<'EOF'
-import collections, hashlib, re, subprocess, sys
+import collections, hashlib, os, re, subprocess, sys
 def executed(path):
     """Function names (demangled) callgrind saw executing, in first-seen order."""
     names, order, seen = {}, [], set()
@@ -138,7 +138,7 @@ with open(sys.argv[4], "w") as f:
             "# are skipped; regenerate after large changes. tests/layout.rs checks the two lines\n"
             "# below against the checkout (a new Cargo.lock or toolchain changes every symbol hash).\n")
     lock = hashlib.sha256(open("Cargo.lock", "rb").read()).hexdigest()
-    rustc = subprocess.run(["rustc", "-V"], capture_output=True, text=True, check=True).stdout.strip()
+    rustc = subprocess.run([os.environ.get("RUSTC", "rustc"), "-V"], capture_output=True, text=True, check=True).stdout.strip()
     f.write(f"# Cargo.lock sha256: {lock}\n# toolchain: {rustc}\n")
     f.write("\n".join(out) + "\n")
 print(f"symbol-order: {len(out)} symbols ({len(running)} running, {len(startup)} start-up functions)")

@@ -151,20 +151,28 @@ mod tests {
     #[test]
     fn sockets_ready_together_are_served_in_turn_by_one_worker() {
         use std::io::Write;
-        let rt = scheduler().build().expect("runtime");
+        let rt = scheduler().worker_threads(2).build().expect("runtime");
         let (std_a, mut peer) = std::os::unix::net::UnixStream::pair().expect("pair");
         let std_b = std_a.try_clone().expect("dup");
         let (tx, rx) = std::sync::mpsc::channel();
+        let (registered_tx, registered) = std::sync::mpsc::channel();
         for s in [std_a, std_b] {
             s.set_nonblocking(true).expect("nonblocking");
             let tx = tx.clone();
+            let registered_tx = registered_tx.clone();
             rt.spawn(async move {
                 let s = tokio::net::UnixStream::from_std(s).expect("register");
+                let _ = registered_tx.send(());
                 s.readable().await.expect("readable");
                 let _ = tx.send((std::thread::current().id(), std::time::Instant::now()));
                 // holds this worker: a task the other worker were handed would run meanwhile
                 std::thread::sleep(Duration::from_millis(100));
             });
+        }
+        for _ in 0..2 {
+            registered
+                .recv_timeout(Duration::from_secs(5))
+                .expect("registered");
         }
         // both tasks wait for readiness, the runtime idles
         std::thread::sleep(Duration::from_millis(200));

@@ -32,6 +32,7 @@ fn the_code_layout_was_made_for_this_cargo_lock_and_toolchain() {
         .arg("-V")
         .output()
         .expect("rustc -V");
+    assert!(out.status.success(), "rustc -V failed: {out:?}");
     let version = String::from_utf8_lossy(&out.stdout);
     assert_eq!(
         header(&layout, "toolchain"),

@@ -807,8 +807,6 @@ mod tests {
         upload.abort();
     }
 
-    /// The remote of a plain relay reads part of an upload, then closes with a reset (SO_LINGER
-    /// 0): the relay ends with the error and what it moved both ways.
     /// A plain relay carrying bulk data (a writer thread far ahead, a reader thread keeping up)
     /// on a one-thread runtime: another task gets the thread back after every bulk chunk, never
     /// more than one chunk ([`LARGE_BUF`] at most) later.
@@ -852,7 +850,9 @@ mod tests {
             let relay =
                 tokio::spawn(async move { relay_tcp_counted(proxy_in, proxy_out, &shared).await });
             let (mut last, mut widest) = (0, 0);
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
             while !relay.is_finished() {
+                assert!(std::time::Instant::now() < deadline, "relay still running");
                 tokio::task::yield_now().await;
                 let now = counts.get().sent;
                 widest = widest.max(now - last);
@@ -868,6 +868,8 @@ mod tests {
         });
     }
 
+    /// The remote of a plain relay reads part of an upload, then closes with a reset (SO_LINGER
+    /// 0): the relay ends with the error and what it moved both ways.
     #[tokio::test]
     async fn a_plain_relay_reset_mid_transfer_keeps_the_bytes_moved() {
         const TAKEN: usize = 256 * 1024;

@@ -36,7 +36,7 @@ impl Value {
     pub fn new(s: &str) -> Value {
         Value((!s.is_empty()).then(|| {
             Arc::new(Text {
-                hash: foldhash::fast::FixedState::default().hash_one(s),
+                hash: TEXT_HASH.hash_one(s),
                 text: Box::from(s),
             })
         }))
@@ -48,11 +48,16 @@ impl Value {
     }
 }
 
-/// A label value's text and its hash, computed once with the text (a fixed-seed foldhash, so
-/// equal texts hash alike): interning a label set ([`crate::proxy::metrics::Metrics::intern`])
-/// then hashes a word per value instead of each string's bytes.
+/// The hasher of every label value's text: one per process (seeded at random), so equal texts
+/// hash alike.
+static TEXT_HASH: LazyLock<foldhash::fast::RandomState> =
+    LazyLock::new(foldhash::fast::RandomState::default);
+
+/// A label value's text and its hash, computed once with the text ([`TEXT_HASH`]): interning a
+/// label set ([`crate::proxy::metrics::Metrics::intern`]) then hashes a word per value instead of
+/// each string's bytes.
 #[derive(Debug)]
-pub struct Text {
+struct Text {
     hash: u64,
     text: Box<str>,
 }
