@@ -13,7 +13,9 @@ pub const DEFAULT_WORKER_THREADS: usize = 2;
 /// microseconds. With one event per turn, the worker that took an event runs its task and takes
 /// the next event itself; the other worker still joins when a task wakes another one (an HBONE
 /// connection's task waking its streams, and back). Side by side (`ztnode bench --peer`, the
-/// same build with and without): +11 % connections per second, the same throughput and CPU per GB.
+/// same build with and without): +11 % connections per second, the same HBONE throughput and CPU
+/// per GB. Plain relays wake no other task: their bulk copies yield to bring the other worker in
+/// (`proxy::copy`), else one worker would carry all of them.
 pub const MAX_IO_EVENTS_PER_TICK: usize = 1;
 
 /// How often the heap-trim timer task collects: mimalloc's purge delay (`purge_delay`, 1 s).
