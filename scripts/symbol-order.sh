@@ -135,8 +135,8 @@ with open(sys.argv[4], "w") as f:
     f.write("# Code layout of the release binary (lld --symbol-ordering-file; build.rs), made by\n"
             "# scripts/symbol-order.sh: first the functions a running proxy executed (connections\n"
             "# through the mesh), then those of its start-up. Symbols another build no longer has\n"
-            "# are skipped; regenerate after large changes. tests/layout.rs checks the two lines\n"
-            "# below against the checkout (a new Cargo.lock or toolchain changes every symbol hash).\n")
+            "# are skipped; regenerate after large changes. A new Cargo.lock or toolchain changes every\n"
+            "# symbol hash: tests/layout.rs checks the Cargo.lock line below against the checkout.\n")
     lock = hashlib.sha256(open("Cargo.lock", "rb").read()).hexdigest()
     rustc = subprocess.run([os.environ.get("RUSTC", "rustc"), "-V"], capture_output=True, text=True, check=True).stdout.strip()
     f.write(f"# Cargo.lock sha256: {lock}\n# toolchain: {rustc}\n")

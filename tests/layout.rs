@@ -1,7 +1,9 @@
 //! The code layout (`layout/symbol-order.txt`, linked into the musl release binary by build.rs)
 //! names symbols by their mangled names, whose hashes change with every `Cargo.lock` and
 //! toolchain: a stale file leaves most of the binary in the default order, and only
-//! `scripts/build-static.sh` (not run by CI) would notice. The file records what it was made for.
+//! `scripts/build-static.sh` (not run by CI) would notice. The file records the `Cargo.lock` and
+//! the toolchain it was made for; this checks the `Cargo.lock` (the toolchain is the builder's:
+//! one other than the recorded one gets `build-static.sh`'s warning, not a failing test).
 
 use std::path::Path;
 
@@ -17,7 +19,7 @@ fn hex(bytes: &[u8]) -> String {
 }
 
 #[test]
-fn the_code_layout_was_made_for_this_cargo_lock_and_toolchain() {
+fn the_code_layout_was_made_for_this_cargo_lock() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let layout = std::fs::read_to_string(root.join("layout/symbol-order.txt")).expect("layout");
     let lock = std::fs::read(root.join("Cargo.lock")).expect("Cargo.lock");
@@ -26,18 +28,6 @@ fn the_code_layout_was_made_for_this_cargo_lock_and_toolchain() {
         header(&layout, "Cargo.lock sha256"),
         Some(digest.as_str()),
         "layout/symbol-order.txt was made for another Cargo.lock: run scripts/symbol-order.sh"
-    );
-    let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".to_owned());
-    let out = std::process::Command::new(rustc)
-        .arg("-V")
-        .output()
-        .expect("rustc -V");
-    assert!(out.status.success(), "rustc -V failed: {out:?}");
-    let version = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(
-        header(&layout, "toolchain"),
-        Some(version.trim()),
-        "layout/symbol-order.txt was made with another toolchain: run scripts/symbol-order.sh"
     );
 }
 
