@@ -345,6 +345,64 @@ pub(super) fn conn_rate_timed(
     })
 }
 
+/// [`MSG`] round trips per second over `conns` kept connections from `client` to an echo server
+/// in `server` (port 7500), each connection on its own client thread, for `dur`: how a proxy
+/// serves many connections' small messages at once, sharing the machine's CPUs with the clients
+/// and the echo threads.
+pub(super) fn parallel_round_trips(
+    client: &Pod,
+    server: &Pod,
+    conns: usize,
+    dur: Duration,
+) -> anyhow::Result<f64> {
+    let echo = echo_server(server, 7500, false)?;
+    let ns = Netns::open(&client.netns_path)?;
+    let streams = (0..conns)
+        .map(|_| Lab::connect_from(&ns, echo.addr))
+        .collect::<Result<Vec<_>, _>>()?;
+    let (each, elapsed) = round_trips_each(streams, dur)?;
+    drop(echo);
+    Ok(each.iter().sum::<u64>() as f64 / elapsed.as_secs_f64())
+}
+
+/// Runs [`MSG`] round trips on each of `streams`, each from its own thread, until `dur` has
+/// passed: the round trips each stream completed and the time until the last thread ended.
+/// Errors: a stream's first I/O error (or [`IO_TIMEOUT`] passing in a write or read).
+fn round_trips_each(
+    streams: Vec<std::net::TcpStream>,
+    dur: Duration,
+) -> std::io::Result<(Vec<u64>, Duration)> {
+    let start = Instant::now();
+    let deadline = start + dur;
+    let threads: Vec<_> = streams
+        .into_iter()
+        .map(|mut s| {
+            std::thread::spawn(move || -> std::io::Result<u64> {
+                s.set_nodelay(true)?;
+                s.set_read_timeout(Some(IO_TIMEOUT))?;
+                s.set_write_timeout(Some(IO_TIMEOUT))?;
+                let buf = [5u8; MSG];
+                let mut back = [0u8; MSG];
+                let mut n = 0;
+                while Instant::now() < deadline {
+                    s.write_all(&buf)?;
+                    s.read_exact(&mut back)?;
+                    n += 1;
+                }
+                Ok(n)
+            })
+        })
+        .collect();
+    let each = threads
+        .into_iter()
+        .map(|t| {
+            t.join()
+                .unwrap_or_else(|_| Err(std::io::Error::other("client thread panicked")))
+        })
+        .collect::<std::io::Result<Vec<u64>>>()?;
+    Ok((each, start.elapsed()))
+}
+
 /// RSS of the node process while idle connections are held through the tunnel, KiB: after each
 /// of [`IDLE_BATCHES`] batches of `n` connections (`held[i]` with `(i + 1) * n` open), and after
 /// all closed.
@@ -477,6 +535,29 @@ mod tests {
         assert_eq!(back, [5u8; MSG]);
         drop(echo);
         std::net::TcpListener::bind(addr).expect("the port is free again");
+    }
+
+    /// Every connection runs its own round trips until the time is up, and a connection whose
+    /// peer is gone fails the measurement instead of counting nothing.
+    #[test]
+    fn each_connection_makes_round_trips_until_the_time_is_up() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let echo = serve_echo(listener, false).expect("serve");
+        let streams = (0..4)
+            .map(|_| std::net::TcpStream::connect(echo.addr).expect("connect"))
+            .collect();
+        let dur = Duration::from_millis(300);
+        let (each, elapsed) = round_trips_each(streams, dur).expect("round trips");
+        assert_eq!(each.len(), 4);
+        assert!(each.iter().all(|n| *n > 0), "{each:?}");
+        assert!(elapsed >= dur, "{elapsed:?}");
+        // a peer that takes the connection and closes it: the first read finds EOF
+        let closing = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = closing.local_addr().expect("addr");
+        let closer = std::thread::spawn(move || drop(closing.accept()));
+        let stream = std::net::TcpStream::connect(addr).expect("connect");
+        closer.join().expect("closer");
+        assert!(round_trips_each(vec![stream], dur).is_err());
     }
 
     #[test]

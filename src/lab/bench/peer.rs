@@ -300,6 +300,22 @@ fn figures() -> Vec<Figure> {
             false,
             None,
         ),
+        // many connections' small messages at once: where serving one IO event per driver turn
+        // (runtime.rs) costs a busy proxy its batching
+        Figure::new(
+            "1 KiB RTTs, 8 conns at once",
+            "parallel_rtt_8_per_sec",
+            "RTT/s",
+            true,
+            None,
+        ),
+        Figure::new(
+            "1 KiB RTTs, 32 conns at once",
+            "parallel_rtt_32_per_sec",
+            "RTT/s",
+            true,
+            None,
+        ),
     ]
 }
 
@@ -552,6 +568,13 @@ fn measure_round(
     let rate = conn_rate_timed(m_client, m_server, Duration::from_secs(secs))?;
     figs[4].push(proxy, rate.per_sec);
     figs[5].push(proxy, measure::percentile(&rate.each_ms, 0.99));
+    for (i, conns) in [(16usize, 8usize), (17, 32)] {
+        let dur = Duration::from_secs(secs);
+        figs[i].push(
+            proxy,
+            measure::parallel_round_trips(m_client, m_server, conns, dur)?,
+        );
+    }
     if polling {
         let _polling = PollingIdle::hold()?;
         let rate = conn_rate_timed(m_client, m_server, Duration::from_secs(secs))?;
