@@ -15,7 +15,13 @@ pub const DEFAULT_WORKER_THREADS: usize = 2;
 /// connection's task waking its streams, and back). Side by side (`ztnode bench --peer`, the
 /// same build with and without): +11 % connections per second, the same HBONE throughput and CPU
 /// per GB. Plain relays wake no other task: their bulk copies yield to bring the other worker in
-/// (`proxy::copy`), else one worker would carry all of them.
+/// (`proxy::copy`), else one worker would carry all of them. The price is tokio's batching when
+/// many connections' small messages keep the proxy busy: one `epoll_wait` per event instead of
+/// one per about 25, and plain relays' small messages stay on one worker. 1 KiB round trips over
+/// 32 plain connections at once lost 13 % (8 connections and HBONE: 3–4 %); `ztnode bench --peer`
+/// reports both (`parallel_rtt_*`). Yielding after small reads while a worker's parks kept finding
+/// work waiting balanced the workers but won nothing back: the extra wake-ups cost what the second
+/// worker added.
 pub const MAX_IO_EVENTS_PER_TICK: usize = 1;
 
 /// How often the heap-trim timer task collects: mimalloc's purge delay (`purge_delay`, 1 s).
