@@ -19,9 +19,10 @@ pub const DEFAULT_WORKER_THREADS: usize = 2;
 /// many connections' small messages keep the proxy busy: one `epoll_wait` per event instead of
 /// one per about 25, and plain relays' small messages stay on one worker. 1 KiB round trips over
 /// 32 plain connections at once lost 13 % (8 connections and HBONE: 3–4 %); `ztnode bench --peer`
-/// reports both (`parallel_rtt_*`). Yielding after small reads while a worker's parks kept finding
-/// work waiting balanced the workers but won nothing back: the extra wake-ups cost what the second
-/// worker added.
+/// reports the case against the peer (`parallel_rtt_8_per_sec`, `parallel_rtt_32_per_sec`).
+/// Yielding after small reads once a worker's parks kept returning at once (work already waiting)
+/// balanced the workers but won nothing back: the extra wake-ups cost what the second worker
+/// added.
 pub const MAX_IO_EVENTS_PER_TICK: usize = 1;
 
 /// How often the heap-trim timer task collects: mimalloc's purge delay (`purge_delay`, 1 s).

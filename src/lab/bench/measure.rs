@@ -14,7 +14,8 @@ use crate::netns::Netns;
 
 /// Bytes of one request and of its echo.
 pub(super) const MSG: usize = 1024;
-/// Longest a connection of [`conn_rate_timed`] may wait for connect, a write or a read.
+/// Longest a bench connection ([`conn_rate_timed`], [`round_trips_each`]) may wait for connect, a
+/// write or a read.
 const IO_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The `p` quantile (0 to 1) of `sorted`, nearest rank; 0 when empty.
@@ -348,7 +349,8 @@ pub(super) fn conn_rate_timed(
 /// [`MSG`] round trips per second over `conns` kept connections from `client` to an echo server
 /// in `server` (port 7500), each connection on its own client thread, for `dur`: how a proxy
 /// serves many connections' small messages at once, sharing the machine's CPUs with the clients
-/// and the echo threads.
+/// and the echo threads. Errors: the echo server's listener, a connect, or as
+/// [`round_trips_each`].
 pub(super) fn parallel_round_trips(
     client: &Pod,
     server: &Pod,
@@ -360,39 +362,64 @@ pub(super) fn parallel_round_trips(
     let streams = (0..conns)
         .map(|_| Lab::connect_from(&ns, echo.addr))
         .collect::<Result<Vec<_>, _>>()?;
-    let (each, elapsed) = round_trips_each(streams, dur)?;
+    let (each, elapsed) = round_trips_each(streams, dur)
+        .with_context(|| format!("{conns} connections at once to {}", echo.addr))?;
     drop(echo);
     Ok(each.iter().sum::<u64>() as f64 / elapsed.as_secs_f64())
 }
 
 /// Runs [`MSG`] round trips on each of `streams`, each from its own thread, until `dur` has
-/// passed: the round trips each stream completed and the time until the last thread ended.
-/// Errors: a stream's first I/O error (or [`IO_TIMEOUT`] passing in a write or read).
+/// passed (at least one per stream): the round trips each stream completed, and the time until
+/// the last thread ended. Errors: a thread that cannot be started, or a stream's first I/O error
+/// (a reply that is not the request's echo, or [`IO_TIMEOUT`] passing in a write or read); the
+/// other streams then stop at their next round trip.
 fn round_trips_each(
     streams: Vec<std::net::TcpStream>,
     dur: Duration,
 ) -> std::io::Result<(Vec<u64>, Duration)> {
+    use std::sync::atomic::{AtomicBool, Ordering};
     let start = Instant::now();
     let deadline = start + dur;
-    let threads: Vec<_> = streams
+    let failed = std::sync::Arc::new(AtomicBool::new(false));
+    let threads = streams
         .into_iter()
         .map(|mut s| {
-            std::thread::spawn(move || -> std::io::Result<u64> {
-                s.set_nodelay(true)?;
-                s.set_read_timeout(Some(IO_TIMEOUT))?;
-                s.set_write_timeout(Some(IO_TIMEOUT))?;
-                let buf = [5u8; MSG];
-                let mut back = [0u8; MSG];
-                let mut n = 0;
-                while Instant::now() < deadline {
-                    s.write_all(&buf)?;
-                    s.read_exact(&mut back)?;
-                    n += 1;
+            let failed = failed.clone();
+            std::thread::Builder::new().spawn(move || -> std::io::Result<u64> {
+                let run = |s: &mut std::net::TcpStream| -> std::io::Result<u64> {
+                    s.set_nodelay(true)?;
+                    s.set_read_timeout(Some(IO_TIMEOUT))?;
+                    s.set_write_timeout(Some(IO_TIMEOUT))?;
+                    let buf = [5u8; MSG];
+                    let mut back = [0u8; MSG];
+                    let mut n = 0;
+                    loop {
+                        s.write_all(&buf)?;
+                        s.read_exact(&mut back)?;
+                        if back != buf {
+                            return Err(std::io::Error::other("the reply is not the echo"));
+                        }
+                        n += 1;
+                        if Instant::now() >= deadline || failed.load(Ordering::Relaxed) {
+                            return Ok(n);
+                        }
+                    }
+                };
+                let res = run(&mut s);
+                if res.is_err() {
+                    failed.store(true, Ordering::Relaxed);
                 }
-                Ok(n)
+                res
             })
         })
-        .collect();
+        .collect::<std::io::Result<Vec<_>>>();
+    let threads = match threads {
+        Ok(t) => t,
+        Err(e) => {
+            failed.store(true, Ordering::Relaxed);
+            return Err(e);
+        }
+    };
     let each = threads
         .into_iter()
         .map(|t| {
@@ -538,7 +565,7 @@ mod tests {
     }
 
     /// Every connection runs its own round trips until the time is up, and a connection whose
-    /// peer is gone fails the measurement instead of counting nothing.
+    /// peer is gone fails the measurement (and stops the others) instead of counting nothing.
     #[test]
     fn each_connection_makes_round_trips_until_the_time_is_up() {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
@@ -547,17 +574,20 @@ mod tests {
             .map(|_| std::net::TcpStream::connect(echo.addr).expect("connect"))
             .collect();
         let dur = Duration::from_millis(300);
-        let (each, elapsed) = round_trips_each(streams, dur).expect("round trips");
+        let (each, _) = round_trips_each(streams, dur).expect("round trips");
         assert_eq!(each.len(), 4);
         assert!(each.iter().all(|n| *n > 0), "{each:?}");
-        assert!(elapsed >= dur, "{elapsed:?}");
-        // a peer that takes the connection and closes it: the first read finds EOF
+        // beside a working connection, one whose peer takes it and closes it at once (its first
+        // read finds EOF): the measurement fails, and does not wait out a long `dur`
         let closing = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let addr = closing.local_addr().expect("addr");
         let closer = std::thread::spawn(move || drop(closing.accept()));
-        let stream = std::net::TcpStream::connect(addr).expect("connect");
+        let broken = std::net::TcpStream::connect(addr).expect("connect");
         closer.join().expect("closer");
-        assert!(round_trips_each(vec![stream], dur).is_err());
+        let good = std::net::TcpStream::connect(echo.addr).expect("connect");
+        let t = Instant::now();
+        assert!(round_trips_each(vec![good, broken], Duration::from_secs(60)).is_err());
+        assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
     }
 
     #[test]

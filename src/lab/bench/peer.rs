@@ -568,8 +568,8 @@ fn measure_round(
     let rate = conn_rate_timed(m_client, m_server, Duration::from_secs(secs))?;
     figs[4].push(proxy, rate.per_sec);
     figs[5].push(proxy, measure::percentile(&rate.each_ms, 0.99));
+    let dur = Duration::from_secs(secs);
     for (i, conns) in [(16usize, 8usize), (17, 32)] {
-        let dur = Duration::from_secs(secs);
         figs[i].push(
             proxy,
             measure::parallel_round_trips(m_client, m_server, conns, dur)?,
