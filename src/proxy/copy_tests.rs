@@ -232,15 +232,7 @@ async fn a_reset_mid_transfer_keeps_the_bytes_moved() {
         got += chunk.len();
     }
     s_send.send_reset(h2::Reason::INTERNAL_ERROR);
-    let err = relay
-        .await
-        .expect("relay task")
-        .expect_err("a reset ends the relay with an error");
-    assert!(
-        err.transferred.sent >= TAKEN as u64,
-        "sent {} < {TAKEN}: {err}",
-        err.transferred.sent
-    );
+    let err = reset_error(relay, TAKEN).await;
     assert!(err.transferred.sent <= 4 << 20, "{err}");
     assert_eq!(err.transferred.received, 1000, "{err}");
     assert!(err.to_string().contains("bytes sent"), "{err}");
@@ -335,18 +327,28 @@ async fn a_plain_relay_reset_mid_transfer_keeps_the_bytes_moved() {
         .set_linger(Some(std::time::Duration::ZERO))
         .expect("SO_LINGER 0");
     drop(server);
+    let err = reset_error(relay, TAKEN).await;
+    assert_eq!(err.transferred.received, 5, "{err}");
+    drop(r);
+    upload.abort();
+}
+
+/// The error a relay task ended with after a reset, having sent at least the `taken` bytes the
+/// peer read before it.
+async fn reset_error(
+    relay: tokio::task::JoinHandle<Result<Transferred, CopyError>>,
+    taken: usize,
+) -> CopyError {
     let err = relay
         .await
         .expect("relay task")
         .expect_err("a reset ends the relay with an error");
     assert!(
-        err.transferred.sent >= TAKEN as u64,
-        "sent {} < {TAKEN}: {err}",
+        err.transferred.sent >= taken as u64,
+        "sent {} < {taken}: {err}",
         err.transferred.sent
     );
-    assert_eq!(err.transferred.received, 5, "{err}");
-    drop(r);
-    upload.abort();
+    err
 }
 
 /// Waits until `s` has seen the peer's FIN or reset (up to 5 s), reading nothing.
